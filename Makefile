@@ -1,0 +1,31 @@
+# Quick start: `make demo` and `make test` create .venv themselves.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+TORCH := torch==2.13.0
+
+.PHONY: demo test lint schema clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/deltastore demo
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check deltastore tests benchmarks
+	$(BIN)/ruff format --check deltastore tests benchmarks
+	$(BIN)/mypy
+
+schema: $(STAMP)
+	$(BIN)/python -m deltastore.manifest --write manifests/schema/manifest.v1.schema.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache deltastore-demo

@@ -1,0 +1,96 @@
+"""Every error deltastore raises on purpose.
+
+All classes derive from :class:`DeltastoreError` and, where one fits, from the matching
+built-in exception too (``except FileNotFoundError`` keeps working). Each message says what
+went wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class DeltastoreError(Exception):
+    """Root of every error raised on purpose by deltastore."""
+
+
+# --- store -------------------------------------------------------------------------------
+
+
+class StoreError(DeltastoreError, OSError):
+    """A store operation failed (I/O error, permission, backend error)."""
+
+
+class ObjectNotFoundError(StoreError, FileNotFoundError):
+    """A key that should exist is missing from the store."""
+
+
+class ManifestNotFoundError(ObjectNotFoundError):
+    """No committed manifest exists for the requested version."""
+
+
+class VersionExistsError(StoreError, FileExistsError):
+    """``put_if_absent`` lost: the object (a version's manifest) is already committed."""
+
+
+class PreconditionFailedError(StoreError):
+    """A compare-and-swap found a different object than expected."""
+
+
+class InvalidKeyError(DeltastoreError, ValueError):
+    """A key is not a clean relative path inside the store root (``..``, ``/``, NUL, URL...)."""
+
+
+# --- format ------------------------------------------------------------------------------
+
+
+class ManifestError(DeltastoreError, ValueError):
+    """A manifest is malformed or violates the format-v1 rules."""
+
+
+class UnsupportedFormatError(ManifestError):
+    """A manifest declares a ``format_version`` this library does not read."""
+
+
+class FrameError(DeltastoreError, ValueError):
+    """A stored frame is corrupted, truncated, or disagrees with what its manifest declares."""
+
+
+class IntegrityError(DeltastoreError, ValueError):
+    """A checksum did not match: the data is not what the manifest promised."""
+
+
+# --- chain / state ----------------------------------------------------------------------
+
+
+class WrongParentError(DeltastoreError, ValueError):
+    """A delta's parent is not the state the tensors are in."""
+
+
+class ChainError(DeltastoreError, LookupError):
+    """No chain of committed versions leads from the current state to the target version."""
+
+
+class TensorMismatchError(DeltastoreError, ValueError):
+    """Local tensors do not match the manifest (names, dtype, shape, layout, checksum)."""
+
+
+class VersionOrderError(DeltastoreError, ValueError):
+    """A version number does not increase strictly along the chain."""
+
+
+__all__ = [
+    "ChainError",
+    "DeltastoreError",
+    "FrameError",
+    "IntegrityError",
+    "InvalidKeyError",
+    "ManifestError",
+    "ManifestNotFoundError",
+    "ObjectNotFoundError",
+    "PreconditionFailedError",
+    "StoreError",
+    "TensorMismatchError",
+    "UnsupportedFormatError",
+    "VersionExistsError",
+    "VersionOrderError",
+    "WrongParentError",
+]

@@ -1,0 +1,313 @@
+"""Format v1 manifests: pydantic models at the I/O edge, store key names, state digests.
+
+A manifest (``manifests/<version:020d>.json``) describes one committed version: its tensors
+(dtype, shape, Adler-32 of the new and the parent bytes) and the frames that carry the data.
+Parsing is strict (``extra="forbid"``, no type coercion) and checks every invariant of
+``docs/spec/format-v1.md`` that can be checked without the data. Models are frozen and safe to
+share between threads.
+
+``python -m deltastore.manifest --write PATH`` regenerates the JSON Schema; ``--check PATH``
+fails when the committed file drifted from the models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import re
+import sys
+from collections.abc import Iterable
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from deltastore.codecs import Codec
+from deltastore.dtypes import _NAMES, itemsize
+from deltastore.errors import ManifestError, UnsupportedFormatError
+
+FORMAT_VERSION: Final = 1
+MANIFEST_PREFIX: Final = "manifests/"
+DATA_PREFIX: Final = "versions/"
+LATEST_KEY: Final = "LATEST"
+#: Readers refuse manifests larger than this many bytes.
+MAX_MANIFEST_BYTES: Final = 256 << 20
+#: Readers refuse tensors with more elements than this (2**48).
+MAX_ELEMENTS: Final = 1 << 48
+MAX_DIMS: Final = 16
+MAX_VERSION: Final = 10**20 - 1
+
+SEGMENT = r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}"
+KEY_PATTERN: Final = rf"^{SEGMENT}(/{SEGMENT})*$"
+OBJECT_PATTERN: Final = rf"^versions/{SEGMENT}(/{SEGMENT})*$"
+_MANIFEST_KEY = re.compile(r"^manifests/(\d{20})\.json$")
+_NAME_PATTERN = r"^[^\x00-\x1f\x7f]{1,1024}$"
+
+U32 = Annotated[int, Field(ge=0, le=0xFFFFFFFF)]
+Count = Annotated[int, Field(ge=0, le=MAX_ELEMENTS)]
+Version = Annotated[int, Field(ge=0, le=MAX_VERSION)]
+Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+DtypeName = Literal[_NAMES]  # type: ignore[valid-type]
+
+
+def manifest_key(version: int) -> str:
+    """Store key of the manifest of ``version``."""
+    return f"{MANIFEST_PREFIX}{version:020d}.json"
+
+
+def data_prefix(version: int) -> str:
+    """Store key prefix of the data objects written for ``version``."""
+    return f"{DATA_PREFIX}{version:020d}/"
+
+
+def version_of_key(key: str) -> int | None:
+    """Version number of a manifest key, or None if ``key`` is not a manifest key."""
+    match = _MANIFEST_KEY.match(key)
+    return int(match.group(1)) if match else None
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Parent(_Model):
+    """The version a delta applies to, bound by number and by content."""
+
+    version: Version
+    state_digest: Digest
+
+
+class Writer(_Model):
+    """Who wrote the manifest: a random per-publisher token and the library version."""
+
+    token: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+    library: Annotated[str, Field(max_length=64)]
+
+
+class Frame(_Model):
+    """Elements ``[start, stop)`` of a tensor, stored at ``object[offset:offset+length]``."""
+
+    start: Count
+    stop: Count
+    codec: Codec
+    object: Annotated[str, Field(pattern=OBJECT_PATTERN, max_length=1024)]
+    offset: Annotated[int, Field(ge=0, le=2**62)]
+    length: Annotated[int, Field(ge=1, le=2**62)]
+    xxh3: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+    changed: Count
+    adler32: U32
+    parent_adler32: U32 | None
+
+    @model_validator(mode="after")
+    def _check(self) -> Frame:
+        if self.stop <= self.start:
+            raise ValueError(f"frame [{self.start}, {self.stop}) is empty or reversed")
+        if self.changed > self.stop - self.start:
+            raise ValueError(
+                f"frame declares {self.changed} changes in {self.stop - self.start} elements"
+            )
+        return self
+
+
+class TensorEntry(_Model):
+    """One tensor of the version (global, trainer-side name and full shape)."""
+
+    dtype: DtypeName
+    shape: Annotated[list[Count], Field(max_length=MAX_DIMS)]
+    adler32: U32
+    parent_adler32: U32 | None
+    changed: Count
+    frames: list[Frame]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+    @model_validator(mode="after")
+    def _check(self) -> TensorEntry:
+        numel = math.prod(self.shape)
+        if numel > MAX_ELEMENTS:
+            raise ValueError(f"shape {self.shape} has more than {MAX_ELEMENTS} elements")
+        if self.changed > numel:
+            raise ValueError(f"{self.changed} changed elements in a tensor of {numel}")
+        end = 0
+        for frame in self.frames:
+            if frame.start < end:
+                raise ValueError(f"frame at {frame.start} overlaps or is out of order")
+            if frame.stop > numel:
+                raise ValueError(
+                    f"frame [{frame.start}, {frame.stop}) is past the {numel} elements"
+                )
+            end = frame.stop
+        if sum(f.changed for f in self.frames) != self.changed:
+            raise ValueError("the frames' changed counts do not add up to the tensor's")
+        return self
+
+
+class Manifest(_Model):
+    """A committed version. See ``docs/spec/format-v1.md`` for the normative rules."""
+
+    format_version: Literal[1]
+    version: Version
+    kind: Literal["anchor", "delta"]
+    parent: Parent | None
+    state_digest: Digest
+    created: Annotated[str, Field(pattern=r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")]
+    writer: Writer
+    tensors: dict[Annotated[str, Field(pattern=_NAME_PATTERN)], TensorEntry]
+
+    @model_validator(mode="after")
+    def _check(self) -> Manifest:
+        if self.parent is not None and self.parent.version >= self.version:
+            raise ValueError(f"parent version {self.parent.version} is not below {self.version}")
+        if self.kind == "delta" and self.parent is None:
+            raise ValueError("a delta needs a parent")
+        for name, t in self.tensors.items():
+            if self.parent is None and (t.parent_adler32 is not None or t.changed != t.numel):
+                raise ValueError(
+                    f"{name}: without a parent, parent_adler32 is null and all elements changed"
+                )
+            if self.kind == "delta" and t.parent_adler32 is None:
+                raise ValueError(f"{name}: a delta tensor needs parent_adler32")
+            if any((f.parent_adler32 is None) != (t.parent_adler32 is None) for f in t.frames):
+                raise ValueError(f"{name}: frames and tensor disagree on parent_adler32")
+            if self.kind == "anchor":
+                end = 0
+                for f in t.frames:
+                    if f.start != end:
+                        break
+                    end = f.stop
+                if end != t.numel:
+                    raise ValueError(f"{name}: anchor frames must cover every element in order")
+                if any(f.codec != "raw" for f in t.frames):
+                    raise ValueError(f"{name}: anchor frames must use the raw codec")
+        if (
+            state_digest((n, t.dtype, t.shape, t.adler32) for n, t in self.tensors.items())
+            != self.state_digest
+        ):
+            raise ValueError("state_digest does not match the tensor table")
+        return self
+
+    # --- derived numbers, for reports and `log` -------------------------------------------
+
+    @property
+    def changed_elements(self) -> int:
+        return sum(t.changed for t in self.tensors.values())
+
+    @property
+    def total_elements(self) -> int:
+        return sum(t.numel for t in self.tensors.values())
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(f.length for t in self.tensors.values() for f in t.frames)
+
+    @property
+    def dense_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def to_bytes(self) -> bytes:
+        """Serialized manifest (UTF-8 JSON) exactly as committed."""
+        return self.model_dump_json(indent=1).encode() + b"\n"
+
+
+class Latest(_Model):
+    """Content of the ``LATEST`` hint object."""
+
+    format_version: Literal[1]
+    version: Version
+    manifest: str
+    sha256: Digest
+
+
+def state_digest(table: Iterable[tuple[str, str, list[int], int]]) -> str:
+    """SHA-256 (hex) of a tensor table: ``(name, dtype, shape, adler32)`` rows.
+
+    Rows are sorted by name and serialized as compact JSON ``[[name, dtype, [dims], adler32],
+    ...]`` (``json.dumps(..., separators=(",", ":"))``, ASCII-escaped), then hashed.
+    """
+    rows = sorted([name, dtype, list(shape), int(adler)] for name, dtype, shape, adler in table)
+    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
+
+
+def _load_json(data: bytes, what: str) -> Any:
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{what} is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise ManifestError(f"{what} is not UTF-8 text; the store holds a damaged object") from None
+    except (ValueError, RecursionError) as exc:
+        raise ManifestError(f"{what} is not valid JSON ({str(exc)[:200]})") from None
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _validation_summary(exc: ValidationError) -> str:
+    errs = exc.errors()
+    parts = [f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in errs[:3]]
+    more = f" (+{len(errs) - 3} more)" if len(errs) > 3 else ""
+    return "; ".join(parts) + more
+
+
+def parse_manifest(data: bytes, *, key: str = "manifest") -> Manifest:
+    """Parse and validate a manifest; typed errors for anything malformed or unknown."""
+    obj = _load_json(data, key)
+    if not isinstance(obj, dict):
+        raise ManifestError(f"{key}: a manifest is a JSON object")
+    fv = obj.get("format_version")
+    if fv != FORMAT_VERSION or isinstance(fv, bool):
+        raise UnsupportedFormatError(
+            f"{key}: format_version {fv!r} is not supported; this deltastore reads format "
+            f"version {FORMAT_VERSION}: upgrade deltastore to read newer stores"
+        )
+    try:
+        return Manifest.model_validate(obj)
+    except ValidationError as exc:
+        raise ManifestError(f"{key} is malformed: {_validation_summary(exc)}") from None
+
+
+def parse_latest(data: bytes) -> Latest:
+    """Parse the ``LATEST`` hint; :class:`ManifestError` when it is damaged."""
+    try:
+        return Latest.model_validate(_load_json(data, LATEST_KEY))
+    except ValidationError as exc:
+        raise ManifestError(f"LATEST is malformed: {_validation_summary(exc)}") from None
+
+
+def json_schema() -> str:
+    """The JSON Schema of :class:`Manifest`, as committed under ``manifests/schema/``."""
+    schema = Manifest.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = "https://deltastore.dev/schema/manifest.v1.schema.json"
+    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write (``--write``) or check (``--check``) the committed JSON Schema file."""
+    ap = argparse.ArgumentParser(prog="python -m deltastore.manifest")
+    group = ap.add_mutually_exclusive_group(required=True)
+    group.add_argument("--write", metavar="PATH")
+    group.add_argument("--check", metavar="PATH")
+    args = ap.parse_args(argv)
+    text = json_schema()
+    if args.write:
+        with open(args.write, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        return 0
+    with open(args.check, encoding="utf-8") as fh:
+        if fh.read() != text:
+            print(f"{args.check} is out of date: run `make schema`", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

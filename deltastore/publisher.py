@@ -1,0 +1,457 @@
+"""Publisher: detects what changed since the last version, encodes frames, commits a version.
+
+Call order: ``Publisher(url)``, optionally :meth:`Publisher.attach` (continue an existing
+chain after a restart), then :meth:`Publisher.publish` once per version with strictly
+increasing version numbers. Not thread-safe: one thread publishes at a time.
+
+The publisher keeps a *snapshot* of the last published words (``snapshot="memory"``: one copy
+of the model in host memory) to compute XOR deltas; it is updated in O(changed) only after a
+version is committed, so a failed publish leaves the publisher at the previous version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import xxhash
+
+from deltastore._tables import check_contents, check_table
+from deltastore._version import __version__
+from deltastore.checksum import adler32, combine
+from deltastore.codecs import RAW, FrameEncoder
+from deltastore.dtypes import dtype_name, np_words
+from deltastore.errors import (
+    ChainError,
+    DeltastoreError,
+    ManifestNotFoundError,
+    ObjectNotFoundError,
+    VersionOrderError,
+)
+from deltastore.manifest import (
+    LATEST_KEY,
+    MANIFEST_PREFIX,
+    MAX_VERSION,
+    Frame,
+    Latest,
+    Manifest,
+    Parent,
+    TensorEntry,
+    Writer,
+    data_prefix,
+    manifest_key,
+    parse_latest,
+    parse_manifest,
+    state_digest,
+    version_of_key,
+)
+from deltastore.store import Store, open_store
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_FRAME_BYTES = 16 << 20
+DEFAULT_MAX_OBJECT_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class PublishReport:
+    """What one :meth:`Publisher.publish` did. Times in seconds, sizes in bytes."""
+
+    version: int
+    kind: Literal["anchor", "delta"]
+    parent: int | None
+    changed_elements: int
+    total_elements: int
+    payload_bytes: int
+    dense_bytes: int
+    frames: int
+    codecs: dict[str, int]
+    detect_s: float
+    encode_s: float
+    upload_s: float
+    total_s: float
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed_elements / self.total_elements if self.total_elements else 0.0
+
+    @property
+    def payload_ratio(self) -> float:
+        """Payload bytes over dense bytes of the model in its own dtypes."""
+        return self.payload_bytes / self.dense_bytes if self.dense_bytes else 0.0
+
+
+@dataclass
+class _TensorState:
+    """Publisher-side memory of one tensor at the last published version."""
+
+    dtype: str
+    shape: list[int]
+    words: np.ndarray  # snapshot of the published words (unsigned, little-endian)
+    frame_adler: list[int]
+    adler: int
+
+
+@dataclass
+class _Pending:
+    """Everything of a publish that takes effect only once the manifest is committed."""
+
+    entries: dict[str, TensorEntry] = field(default_factory=dict)
+    frame_adler: dict[str, list[int]] = field(default_factory=dict)
+    updates: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+    codecs: dict[str, int] = field(default_factory=dict)
+    detect_s: float = 0.0
+    encode_s: float = 0.0
+    upload_s: float = 0.0
+
+
+class _PackWriter:
+    """Concatenates encoded frames into data objects of about ``max_bytes`` and uploads them."""
+
+    def __init__(self, store: Store, prefix: str, max_bytes: int, pending: _Pending) -> None:
+        self._store, self._prefix, self._max = store, prefix, max_bytes
+        self._pending = pending
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._seq = 0
+
+    @property
+    def key(self) -> str:
+        return f"{self._prefix}{self._seq:06d}.dsz"
+
+    def add(self, data: bytes) -> tuple[str, int]:
+        """Queue ``data``; return the (object key, offset) it will be stored at."""
+        if self._size and self._size + len(data) > self._max:
+            self.flush()
+        where = (self.key, self._size)
+        self._parts.append(data)
+        self._size += len(data)
+        return where
+
+    def flush(self) -> None:
+        if not self._parts:
+            return
+        t0 = time.perf_counter()
+        self._store.put(self.key, b"".join(self._parts))
+        self._pending.upload_s += time.perf_counter() - t0
+        self._parts, self._size, self._seq = [], 0, self._seq + 1
+
+
+class Publisher:
+    """Publishes versions of a set of tensors to a store.
+
+    Keyword options: ``snapshot`` (only ``"memory"`` in this release), ``max_frame_bytes``
+    (dense bytes per frame, default 16 MiB), ``max_object_bytes`` (bytes per data object,
+    default 64 MiB), ``zstd_level`` (default 1).
+    """
+
+    def __init__(
+        self,
+        url: str | Store,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        snapshot: Literal["memory"] = "memory",
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
+        zstd_level: int = 1,
+    ) -> None:
+        if snapshot != "memory":
+            raise ValueError(f"snapshot={snapshot!r} is not supported; use 'memory'")
+        if max_frame_bytes < 8 or max_object_bytes < 1:
+            raise ValueError("max_frame_bytes must be >= 8 and max_object_bytes >= 1")
+        self.store = open_store(url, storage_options)
+        self.token = uuid.uuid4().hex
+        self._max_frame_bytes = max_frame_bytes
+        self._max_object_bytes = max_object_bytes
+        self._encoder = FrameEncoder(zstd_level)
+        self._state: dict[str, _TensorState] | None = None
+        self._version: int | None = None
+        self._digest: str | None = None
+        self._ne = np.empty(0, dtype=np.bool_)
+
+    @property
+    def version(self) -> int | None:
+        """Last version this publisher committed or attached to (None before)."""
+        return self._version
+
+    # --- store reads --------------------------------------------------------------------
+
+    def _head(self) -> int | None:
+        versions = [
+            v for k in self.store.list(MANIFEST_PREFIX) if (v := version_of_key(k)) is not None
+        ]
+        return max(versions, default=None)
+
+    def _frames_of(self, numel: int, size: int) -> list[tuple[int, int]]:
+        step = max(1, self._max_frame_bytes // size)
+        return [(a, min(a + step, numel)) for a in range(0, numel, step)]
+
+    # --- attach -------------------------------------------------------------------------
+
+    def attach(self, tensors: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
+        """Continue the chain of an existing store from ``tensors`` at ``version``.
+
+        ``version`` defaults to the newest committed one. The tensors are checked against that
+        manifest (names, dtypes, shapes and per-tensor Adler-32) before anything is kept; the
+        next publish is then a delta against them. Returns the attached version.
+        """
+        if version is None:
+            version = self._head()
+            if version is None:
+                raise ChainError(
+                    f"store {self.store.url} holds no version to attach to; publish an anchor"
+                )
+        try:
+            manifest = parse_manifest(
+                self.store.get(manifest_key(version)), key=manifest_key(version)
+            )
+        except ObjectNotFoundError:
+            raise ManifestNotFoundError(
+                f"version {version} is not committed in store {self.store.url}"
+            ) from None
+        check_table(tensors, manifest, exact=True)
+        check_contents(tensors, manifest)
+        self._state = {name: self._snapshot(tensors[name], None) for name in manifest.tensors}
+        self._version, self._digest = version, manifest.state_digest
+        return version
+
+    def _snapshot(self, t: torch.Tensor, words: np.ndarray | None) -> _TensorState:
+        src = np_words(t.detach().cpu()) if words is None else words
+        size = t.element_size()
+        frames = [adler32(src[a:b]) for a, b in self._frames_of(src.size, size)]
+        total = 1
+        for (a, b), fa in zip(self._frames_of(src.size, size), frames):
+            total = combine(total, fa, (b - a) * size)
+        return _TensorState(dtype_name(t.dtype), list(t.shape), src.copy(), frames, total)
+
+    # --- publish ------------------------------------------------------------------------
+
+    def publish(
+        self, tensors: Mapping[str, torch.Tensor], *, version: int, anchor: bool | None = None
+    ) -> PublishReport:
+        """Publish ``tensors`` as ``version`` and commit it.
+
+        The first publish (and any publish whose tensor names, dtypes or shapes differ from
+        the parent's) is an anchor; ``anchor=True`` forces one, ``anchor=False`` refuses to
+        write one. Tensors must not be modified during the call. Raises
+        :class:`VersionOrderError` for a version not above the chain head and
+        :class:`VersionExistsError` when another writer committed ``version`` first.
+        """
+        t_start = time.perf_counter()
+        self._check_version(version)
+        table = {n: (dtype_name(t.dtype), list(t.shape)) for n, t in tensors.items()}
+        state = self._state
+        same_table = state is not None and table == {
+            n: (s.dtype, s.shape) for n, s in state.items()
+        }
+        if anchor is False and not same_table:
+            raise VersionOrderError(
+                "cannot publish a delta: no parent state, or the tensor names/dtypes/shapes "
+                "changed; publish an anchor (anchor=True or None)"
+            )
+        kind: Literal["anchor", "delta"] = "anchor" if anchor or not same_table else "delta"
+        parent_state = state if same_table else None
+        pending = _Pending()
+        packs = _PackWriter(
+            self.store, f"{data_prefix(version)}{self.token[:12]}-", self._max_object_bytes, pending
+        )
+        host = {n: np_words(t.detach().cpu()) for n, t in tensors.items()}
+        for name, words in host.items():
+            prev = parent_state[name] if parent_state is not None else None
+            self._encode_tensor(name, words, table[name], prev, kind, packs, pending)
+        packs.flush()
+        manifest = Manifest(
+            format_version=1,
+            version=version,
+            kind=kind,
+            parent=Parent(version=self._version, state_digest=self._digest)
+            if parent_state is not None and self._version is not None and self._digest is not None
+            else None,
+            state_digest=state_digest(
+                (n, e.dtype, e.shape, e.adler32) for n, e in pending.entries.items()
+            ),
+            created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            writer=Writer(token=self.token, library=f"deltastore {__version__}"),
+            tensors=pending.entries,
+        )
+        t0 = time.perf_counter()
+        body = manifest.to_bytes()
+        self.store.put_if_absent(manifest_key(version), body)
+        self._advance_latest(version, body)
+        pending.upload_s += time.perf_counter() - t0
+        self._commit_state(host, pending, incremental=parent_state is not None)
+        self._version, self._digest = version, manifest.state_digest
+        report = PublishReport(
+            version=version,
+            kind=kind,
+            parent=manifest.parent.version if manifest.parent else None,
+            changed_elements=manifest.changed_elements,
+            total_elements=manifest.total_elements,
+            payload_bytes=manifest.payload_bytes,
+            dense_bytes=manifest.dense_bytes,
+            frames=sum(len(e.frames) for e in manifest.tensors.values()),
+            codecs=pending.codecs,
+            detect_s=pending.detect_s,
+            encode_s=pending.encode_s,
+            upload_s=pending.upload_s,
+            total_s=time.perf_counter() - t_start,
+        )
+        log.info(
+            "published v%d (%s): %.3f%% changed, %d payload bytes (%.2f%% of dense)",
+            version,
+            kind,
+            100 * report.changed_fraction,
+            report.payload_bytes,
+            100 * report.payload_ratio,
+        )
+        return report
+
+    def _check_version(self, version: int) -> None:
+        if (
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or not 0 <= version <= MAX_VERSION
+        ):
+            raise VersionOrderError(
+                f"version must be an integer in [0, {MAX_VERSION}], got {version!r}"
+            )
+        if self._version is not None and version <= self._version:
+            raise VersionOrderError(
+                f"version {version} is not above the last published {self._version}"
+            )
+        head = self._head()
+        if head is not None and version <= head:
+            raise VersionOrderError(
+                f"version {version} is not above the store's newest version {head}; "
+                "versions must increase strictly"
+            )
+        if head is not None and self._version is not None and head != self._version:
+            raise ChainError(
+                f"the store's newest version is {head} but this publisher is at {self._version}: "
+                "another publisher moved the chain; attach() to the store again"
+            )
+
+    def _encode_tensor(
+        self,
+        name: str,
+        words: np.ndarray,
+        spec: tuple[str, list[int]],
+        prev: _TensorState | None,
+        kind: str,
+        packs: _PackWriter,
+        pending: _Pending,
+    ) -> None:
+        size = words.dtype.itemsize
+        frames: list[Frame] = []
+        frame_adler: list[int] = []
+        total_adler, changed_total = 1, 0
+        for i, (a, b) in enumerate(self._frames_of(words.size, size)):
+            new = words[a:b]
+            t0 = time.perf_counter()
+            pos = self._diff(prev.words[a:b], new) if prev is not None else None
+            t1 = time.perf_counter()
+            pending.detect_s += t1 - t0
+            changed = b - a if pos is None else int(pos.size)
+            parent_adler = prev.frame_adler[i] if prev is not None else None
+            if kind == "delta" and changed == 0 and prev is not None:
+                fa = prev.frame_adler[i]
+            else:
+                fa = adler32(new)
+                if kind == "delta" and prev is not None and pos is not None:
+                    codec, data = self._encoder.encode_delta(prev.words[a:b], new, pos)
+                else:
+                    codec, data = RAW, self._encoder.raw(new)
+                obj, offset = packs.add(data)
+                frames.append(
+                    Frame(
+                        start=a,
+                        stop=b,
+                        codec=codec,
+                        object=obj,
+                        offset=offset,
+                        length=len(data),
+                        xxh3=xxhash.xxh3_64_hexdigest(data),
+                        changed=changed,
+                        adler32=fa,
+                        parent_adler32=parent_adler,
+                    )
+                )
+                pending.codecs[codec] = pending.codecs.get(codec, 0) + 1
+            if prev is not None and pos is not None and pos.size:
+                pending.updates.append((prev.words, pos + a, new[pos]))
+            pending.encode_s += time.perf_counter() - t1
+            frame_adler.append(fa)
+            total_adler = combine(total_adler, fa, (b - a) * size)
+            changed_total += changed
+        pending.frame_adler[name] = frame_adler
+        pending.entries[name] = TensorEntry(
+            dtype=spec[0],
+            shape=spec[1],
+            adler32=total_adler,
+            parent_adler32=prev.adler if prev is not None else None,
+            changed=changed_total,
+            frames=frames,
+        )
+
+    def _diff(self, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+        """Frame-local indices where the words differ (reused bool buffer)."""
+        if self._ne.size < new.size:
+            self._ne = np.empty(new.size, dtype=np.bool_)
+        ne = self._ne[: new.size]
+        np.not_equal(old, new, out=ne)
+        return np.flatnonzero(ne)
+
+    def _advance_latest(self, version: int, body: bytes) -> None:
+        """Move ``LATEST`` forward with compare-and-swap; never backwards. Best effort: the
+        manifest is already committed and readers can always list ``manifests/``."""
+        latest = Latest(
+            format_version=1,
+            version=version,
+            manifest=manifest_key(version),
+            sha256=hashlib.sha256(body).hexdigest(),
+        )
+        for _ in range(8):
+            try:
+                current = self.store.get_with_token(LATEST_KEY)
+                if current is not None:
+                    try:
+                        if parse_latest(current[0]).version >= version:
+                            return
+                    except DeltastoreError:
+                        pass  # a damaged hint is simply replaced
+                self.store.put_if_match(
+                    LATEST_KEY, latest.model_dump_json().encode(), current[1] if current else None
+                )
+                return
+            except DeltastoreError as exc:
+                log.debug("LATEST update retry after %s", exc)
+        log.warning("version %d is committed but LATEST could not be advanced", version)
+
+    def _commit_state(
+        self, host: dict[str, np.ndarray], pending: _Pending, *, incremental: bool
+    ) -> None:
+        """After the commit: bring the snapshot to the published version."""
+        if incremental and self._state is not None:
+            for snap, positions, values in pending.updates:
+                snap[positions] = values
+            for name, st in self._state.items():
+                st.frame_adler = pending.frame_adler[name]
+                st.adler = pending.entries[name].adler32
+            return
+        self._state = {}
+        for name, words in host.items():
+            entry = pending.entries[name]
+            self._state[name] = _TensorState(
+                entry.dtype, entry.shape, words.copy(), pending.frame_adler[name], entry.adler32
+            )
+
+
+__all__ = ["PublishReport", "Publisher"]

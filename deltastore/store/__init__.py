@@ -1,0 +1,32 @@
+"""Stores: where bytes live. :func:`open_store` picks the backend from a URL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deltastore.errors import StoreError
+from deltastore.store.base import Store, validate_key
+from deltastore.store.local import LocalStore
+
+
+def open_store(url: str | Store, storage_options: dict[str, Any] | None = None) -> Store:
+    """Open the store at ``url``: a plain path or ``file://`` URL (a :class:`Store` passes through).
+
+    ``storage_options`` are for fsspec backends; a local store takes none.
+    """
+    if isinstance(url, Store):
+        return url
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme == "file":
+        if storage_options:
+            raise StoreError(
+                f"a local store takes no storage options (got {sorted(storage_options)})"
+            )
+        return LocalStore(rest if sep else url)
+    raise StoreError(
+        f"store URL scheme {scheme!r} is not supported by this deltastore version; "
+        "use a local folder path or file:// URL"
+    )
+
+
+__all__ = ["LocalStore", "Store", "open_store", "validate_key"]

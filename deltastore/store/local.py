@@ -1,0 +1,145 @@
+"""A store in a local (or NFS-mounted) folder.
+
+Commits follow DESIGN 2.3: write a temp file in the destination folder, fsync it, ``os.link``
+it to the final name (which fails if the name exists: atomic create-if-absent, unlike
+``pipe_file(mode="create")``), fsync the folder. Replacements use ``os.replace``. The
+compare-and-swap of :meth:`LocalStore.put_if_match` holds an ``fcntl.flock`` on
+``<root>/.deltastore.lock``. Temp and lock files start with ``.`` and are never keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import xxhash
+
+from deltastore.errors import (
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    StoreError,
+    VersionExistsError,
+)
+from deltastore.store.base import Store, validate_key
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStore(Store):
+    """Store rooted at a folder; created on first write. Thread- and process-safe."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).expanduser().absolute()
+        self.url = str(self.root)
+
+    def _path(self, key: str) -> Path:
+        return self.root / validate_key(key)
+
+    @contextlib.contextmanager
+    def _errors(self, op: str, key: str) -> Iterator[None]:
+        try:
+            yield
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"{key} not found in store {self.url}") from None
+        except OSError as exc:
+            if isinstance(exc, StoreError):
+                raise
+            raise StoreError(f"{op} {key} in store {self.url} failed: {exc}") from exc
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        with self._errors("get", key):
+            return path.read_bytes()
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        path = self._path(key)
+        with self._errors("get_range", key), open(path, "rb") as fh:
+            fh.seek(start)
+            return fh.read(length)
+
+    def _write_temp(self, path: Path, data: bytes) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex}"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return tmp
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        with self._errors("put", key):
+            tmp = self._write_temp(path, data)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            _fsync_dir(path.parent)
+
+    def put_if_absent(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        with self._errors("put_if_absent", key):
+            tmp = self._write_temp(path, data)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise VersionExistsError(
+                    f"{key} already exists in store {self.url}: another writer committed it"
+                ) from None
+            finally:
+                tmp.unlink(missing_ok=True)
+            _fsync_dir(path.parent)
+
+    def get_with_token(self, key: str) -> tuple[bytes, str] | None:
+        try:
+            data = self.get(key)
+        except ObjectNotFoundError:
+            return None
+        return data, xxhash.xxh3_128_hexdigest(data)
+
+    def put_if_match(self, key: str, data: bytes, token: str | None) -> None:
+        validate_key(key)
+        with self._errors("put_if_match", key):
+            self.root.mkdir(parents=True, exist_ok=True)
+            with open(self.root / ".deltastore.lock", "a+b") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                current = self.get_with_token(key)
+                if (current[1] if current else None) != token:
+                    raise PreconditionFailedError(
+                        f"{key} in store {self.url} changed since it was read; read it again"
+                    )
+                self.put(key, data)
+
+    def list(self, prefix: str = "") -> list[str]:
+        if prefix:
+            validate_key(prefix.rstrip("/"))
+        base = self.root / prefix if prefix.endswith("/") or not prefix else self.root
+        keys: list[str] = []
+        with self._errors("list", prefix):
+            if not base.is_dir():
+                return []
+            for dirpath, dirnames, filenames in os.walk(base):
+                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+                rel = Path(dirpath).relative_to(self.root).as_posix()
+                for name in filenames:
+                    if not name.startswith("."):
+                        key = name if rel == "." else f"{rel}/{name}"
+                        if key.startswith(prefix):
+                            keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        with self._errors("delete", key):
+            path.unlink()
