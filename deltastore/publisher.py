@@ -226,9 +226,10 @@ class Publisher:
     def _snapshot(self, t: torch.Tensor, words: np.ndarray | None) -> _TensorState:
         src = np_words(t.detach().cpu()) if words is None else words
         size = t.element_size()
-        frames = [adler32(src[a:b]) for a, b in self._frames_of(src.size, size)]
+        bounds = self._frames_of(src.size, size)
+        frames = [adler32(src[a:b]) for a, b in bounds]
         total = 1
-        for (a, b), fa in zip(self._frames_of(src.size, size), frames):
+        for (a, b), fa in zip(bounds, frames, strict=True):
             total = combine(total, fa, (b - a) * size)
         return _TensorState(dtype_name(t.dtype), list(t.shape), src.copy(), frames, total)
 

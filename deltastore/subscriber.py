@@ -313,13 +313,12 @@ class Subscriber:
         if self._tensors is None or self._version is None:
             return self._bootstrap(m, timer), 0.0
         check_table(self._tensors, m, exact=False)
-        if m.kind == "delta":
-            if m.parent is None or m.parent.state_digest != self._digest:
-                raise WrongParentError(
-                    f"version {m.version} is a delta on version "
-                    f"{m.parent.version if m.parent else None}, but the tensors are at "
-                    f"{self._version} with another state; sync from an anchor instead"
-                )
+        if m.kind == "delta" and (m.parent is None or m.parent.state_digest != self._digest):
+            raise WrongParentError(
+                f"version {m.version} is a delta on version "
+                f"{m.parent.version if m.parent else None}, but the tensors are at "
+                f"{self._version} with another state; sync from an anchor instead"
+            )
         tasks = [(name, entry, f) for name, entry in m.tensors.items() for f in entry.frames]
         staged = self._pipeline(tasks, lambda t, dec: self._stage(*t, dec, timer), timer)
         t0 = time.perf_counter()
