@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 schema: $(STAMP)
-	$(BIN)/python -m deltastore.manifest --write manifests/schema/manifest.v1.schema.json
+	$(BIN)/python -m deltastore.schema --write manifests/schema/manifest.v1.schema.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache deltastore-demo

@@ -6,18 +6,15 @@ Parsing is strict (``extra="forbid"``, no type coercion) and checks every invari
 ``docs/spec/format-v1.md`` that can be checked without the data. Models are frozen and safe to
 share between threads.
 
-``python -m deltastore.manifest --write PATH`` regenerates the JSON Schema; ``--check PATH``
-fails when the committed file drifted from the models.
+``python -m deltastore.schema --write PATH`` regenerates the JSON Schema (``make schema``).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
 import re
-import sys
 from collections.abc import Iterable
 from typing import Annotated, Any, Final, Literal
 
@@ -288,26 +285,3 @@ def json_schema() -> str:
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["$id"] = "https://deltastore.dev/schema/manifest.v1.schema.json"
     return json.dumps(schema, indent=2, sort_keys=True) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Write (``--write``) or check (``--check``) the committed JSON Schema file."""
-    ap = argparse.ArgumentParser(prog="python -m deltastore.manifest")
-    group = ap.add_mutually_exclusive_group(required=True)
-    group.add_argument("--write", metavar="PATH")
-    group.add_argument("--check", metavar="PATH")
-    args = ap.parse_args(argv)
-    text = json_schema()
-    if args.write:
-        with open(args.write, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        return 0
-    with open(args.check, encoding="utf-8") as fh:
-        if fh.read() != text:
-            print(f"{args.check} is out of date: run `make schema`", file=sys.stderr)
-            return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

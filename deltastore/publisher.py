@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import Mapping
@@ -155,7 +156,7 @@ class Publisher:
 
     def __init__(
         self,
-        url: str | Store,
+        url: str | os.PathLike[str] | Store,
         *,
         storage_options: dict[str, Any] | None = None,
         snapshot: Literal["memory"] = "memory",

@@ -14,6 +14,7 @@ never in between.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -146,7 +147,7 @@ class Subscriber:
 
     def __init__(
         self,
-        url: str | Store,
+        url: str | os.PathLike[str] | Store,
         *,
         storage_options: dict[str, Any] | None = None,
         tensors: MutableMapping[str, torch.Tensor] | None = None,

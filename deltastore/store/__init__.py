@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from deltastore.errors import StoreError
@@ -9,13 +10,16 @@ from deltastore.store.base import Store, validate_key
 from deltastore.store.local import LocalStore
 
 
-def open_store(url: str | Store, storage_options: dict[str, Any] | None = None) -> Store:
+def open_store(
+    url: str | os.PathLike[str] | Store, storage_options: dict[str, Any] | None = None
+) -> Store:
     """Open the store at ``url``: a plain path or ``file://`` URL (a :class:`Store` passes through).
 
     ``storage_options`` are for fsspec backends; a local store takes none.
     """
     if isinstance(url, Store):
         return url
+    url = os.fspath(url)
     scheme, sep, rest = url.partition("://")
     if not sep or scheme == "file":
         if storage_options:
