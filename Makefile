@@ -20,8 +20,8 @@ test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check deltastore tests benchmarks
-	$(BIN)/ruff format --check deltastore tests benchmarks
+	$(BIN)/ruff check deltastore tests
+	$(BIN)/ruff format --check deltastore tests
 	$(BIN)/mypy
 
 schema: $(STAMP)

@@ -26,19 +26,9 @@ def run_demo(store: str | None = None, *, config: ModelConfig = SMALL, versions:
         traj = AdamWTrajectory(config, lr=1e-6, seed=0)
         pub = Publisher(str(root))
         sub = Subscriber(str(root))
-        table = Table(
-            title=f"deltastore demo: {config.numel() / 1e6:.0f}M bf16 elements, store {root}"
-        )
-        for col in (
-            "version",
-            "kind",
-            "changed %",
-            "payload",
-            "vs dense",
-            "publish s",
-            "sync s",
-            "bit-exact",
-        ):
+        console.print(f"deltastore demo: {config.numel() / 1e6:.1f}M bf16 elements, store {root}")
+        table = Table()
+        for col in ("v", "kind", "changed", "payload", "of dense", "pub s", "sync s", "exact"):
             table.add_column(col, justify="right")
         ok = True
         weights = traj.bf16()
@@ -56,7 +46,7 @@ def run_demo(store: str | None = None, *, config: ModelConfig = SMALL, versions:
             table.add_row(
                 str(v),
                 rep.kind,
-                f"{100 * rep.changed_fraction:.2f}",
+                f"{100 * rep.changed_fraction:.2f}%",
                 f"{rep.payload_bytes / 1e6:.2f} MB",
                 f"{100 * rep.payload_ratio:.2f}%",
                 f"{rep.total_s:.2f}",
