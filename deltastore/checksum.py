@@ -46,14 +46,22 @@ def delta_sums(
     if positions.size == 0:
         return 0, 0
     size = old.dtype.itemsize
-    ob = old.view(np.uint8).reshape(-1, size).astype(np.int64)
-    nb = new.view(np.uint8).reshape(-1, size).astype(np.int64)
-    d = nb - ob  # (k, size) in [-255, 255]
-    byte_pos = positions.astype(np.int64)[:, None] * size + np.arange(size, dtype=np.int64)
-    weight = (n_bytes - byte_pos) % MOD
-    da = int(d.sum()) % MOD
-    db = int((weight * d).sum(dtype=np.int64)) % MOD
-    return da, db
+    ob = old.view(np.uint8).reshape(-1, size)
+    nb = new.view(np.uint8).reshape(-1, size)
+    # Per word: d = sum_j d_j; byte j sits at p = e*size + j, so
+    # sum_j (n - p) * d_j = (n - e*size) * d - sum_j j * d_j.
+    d = np.zeros(positions.size, dtype=np.int64)
+    j_weighted = 0
+    for j in range(size):
+        dj = nb[:, j].astype(np.int64)
+        dj -= ob[:, j]
+        d += dj
+        if j:
+            j_weighted += j * int(dj.sum())
+    weight = positions.astype(np.int64) * size
+    np.subtract(n_bytes, weight, out=weight)
+    weight %= MOD
+    return int(d.sum()) % MOD, (int(np.dot(weight, d)) - j_weighted) % MOD
 
 
 def apply_delta(adler: int, da: int, db: int) -> int:

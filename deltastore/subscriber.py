@@ -432,7 +432,8 @@ class Subscriber:
             new = old ^ masks
             if f.parent_adler32 is None:
                 raise ManifestError(f"{name}: xor-sparse frame without parent_adler32")
-            frame_adler = apply_delta(f.parent_adler32, *delta_sums(pos, old, new, n * size))
+            sums = delta_sums(pos, old, new, n * size)
+            frame_adler = apply_delta(f.parent_adler32, *sums)
         else:
             parts_pos, parts_old, parts_new = [], [], []
             frame_adler = 1
@@ -448,15 +449,14 @@ class Subscriber:
                 parts_old.append(cur[idx])
                 parts_new.append(new_chunk[idx])
             pos, old, new = (np.concatenate(p) for p in (parts_pos, parts_old, parts_new))
+            sums = delta_sums(pos, old, new, n * size)
         if frame_adler != f.adler32:
             raise IntegrityError(
                 f"{name}[{f.start}:{f.stop}]: decoded frame has Adler-32 {frame_adler:08x}, "
                 f"the manifest says {f.adler32:08x}; the tensors are not at the frame's parent "
                 "or the frame is damaged"
             )
-        da, db = shift_to_outer(
-            *delta_sums(pos, old, new, n * size), n * size, f.start * size, entry.nbytes
-        )
+        da, db = shift_to_outer(*sums, n * size, f.start * size, entry.nbytes)
         return _Staged(name, pos + f.start, old, new, da, db, frame_adler)
 
     def _scatter(self, staged: list[_Staged]) -> None:
