@@ -59,9 +59,34 @@ def _unplanes(raw: bytes | memoryview, offset: int, count: int, size: int) -> np
     return np.ascontiguousarray(planes.reshape(size, count).T).view(word_dtype(size)).reshape(-1)
 
 
+def compress_bound(n: int) -> int:
+    """Largest zstd frame for ``n`` content bytes (``ZSTD_COMPRESSBOUND``, plus header room)."""
+    small = ((128 << 10) - n) >> 11 if n < (128 << 10) else 0
+    return n + (n >> 8) + small + 32
+
+
 def sparse_bound(n: int, size: int) -> int:
     """Largest decompressed size of an ``xor-sparse`` frame of ``n`` elements of ``size`` bytes."""
     return SPARSE_HEADER + n * (4 + size)
+
+
+def _frame_size(data: bytes) -> int:
+    """Bytes of the zstd frame at the start of ``data``, by walking its block headers."""
+    try:
+        pos = int(zstandard.frame_header_size(data))
+    except zstandard.ZstdError as exc:
+        raise FrameError(f"not a zstd frame ({exc})") from None
+    has_checksum = len(data) > 4 and bool(data[4] & 0x04)
+    while True:
+        if pos + 3 > len(data):
+            raise FrameError("zstd frame is truncated (block header missing)")
+        header = int.from_bytes(data[pos : pos + 3], "little")
+        kind, size = (header >> 1) & 3, header >> 3
+        if kind == 3:
+            raise FrameError("zstd frame holds a reserved block type")
+        pos += 3 + (1 if kind == 1 else size)
+        if header & 1:
+            return pos + (4 if has_checksum else 0)
 
 
 class FrameEncoder:
@@ -130,6 +155,8 @@ class FrameDecoder:
                 f"zstd frame declares {size} content bytes, outside the [{lo}, {hi}] "
                 "its manifest entry allows"
             )
+        if _frame_size(data) != len(data):
+            raise FrameError("a stored frame must be exactly one zstd frame (extra bytes follow)")
         if params.window_size > self._max_window:
             raise FrameError(
                 f"zstd frame asks for a {params.window_size}-byte window, more than "

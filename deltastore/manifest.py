@@ -33,13 +33,14 @@ MAX_MANIFEST_BYTES: Final = 256 << 20
 #: Readers refuse tensors with more elements than this (2**48).
 MAX_ELEMENTS: Final = 1 << 48
 MAX_DIMS: Final = 16
-MAX_VERSION: Final = 10**20 - 1
+#: Largest version number (fits a signed 64-bit integer and 20 digits).
+MAX_VERSION: Final = 2**63 - 1
 
 SEGMENT = r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}"
 KEY_PATTERN: Final = rf"^{SEGMENT}(/{SEGMENT})*$"
 OBJECT_PATTERN: Final = rf"^versions/{SEGMENT}(/{SEGMENT})*$"
-_MANIFEST_KEY = re.compile(r"^manifests/(\d{20})\.json$")
-_NAME_PATTERN = r"^[^\x00-\x1f\x7f]{1,1024}$"
+_MANIFEST_KEY = re.compile(r"manifests/([0-9]{20})\.json")
+NAME_PATTERN: Final = r"^[^\x00-\x1f\x7f]{1,1024}$"
 
 U32 = Annotated[int, Field(ge=0, le=0xFFFFFFFF)]
 Count = Annotated[int, Field(ge=0, le=MAX_ELEMENTS)]
@@ -60,7 +61,7 @@ def data_prefix(version: int) -> str:
 
 def version_of_key(key: str) -> int | None:
     """Version number of a manifest key, or None if ``key`` is not a manifest key."""
-    match = _MANIFEST_KEY.match(key)
+    match = _MANIFEST_KEY.fullmatch(key)
     return int(match.group(1)) if match else None
 
 
@@ -154,9 +155,12 @@ class Manifest(_Model):
     kind: Literal["anchor", "delta"]
     parent: Parent | None
     state_digest: Digest
-    created: Annotated[str, Field(pattern=r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")]
+    created: Annotated[
+        str,
+        Field(pattern=r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?Z$"),
+    ]
     writer: Writer
-    tensors: dict[Annotated[str, Field(pattern=_NAME_PATTERN)], TensorEntry]
+    tensors: dict[Annotated[str, Field(pattern=NAME_PATTERN)], TensorEntry]
 
     @model_validator(mode="after")
     def _check(self) -> Manifest:
@@ -236,7 +240,9 @@ def _load_json(data: bytes, what: str) -> Any:
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{what} is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        return json.loads(
+            data.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_no_duplicates
+        )
     except UnicodeDecodeError:
         raise ManifestError(f"{what} is not UTF-8 text; the store holds a damaged object") from None
     except (ValueError, RecursionError) as exc:
@@ -245,6 +251,13 @@ def _load_json(data: bytes, what: str) -> Any:
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not allowed")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate key in a JSON object")
+    return out
 
 
 def _validation_summary(exc: ValidationError) -> str:
@@ -259,8 +272,10 @@ def parse_manifest(data: bytes, *, key: str = "manifest") -> Manifest:
     obj = _load_json(data, key)
     if not isinstance(obj, dict):
         raise ManifestError(f"{key}: a manifest is a JSON object")
-    fv = obj.get("format_version")
-    if fv != FORMAT_VERSION or isinstance(fv, bool):
+    if "format_version" not in obj:
+        raise ManifestError(f"{key} has no format_version: it is not a deltastore manifest")
+    fv = obj["format_version"]
+    if type(fv) is not int or fv != FORMAT_VERSION:
         raise UnsupportedFormatError(
             f"{key}: format_version {fv!r} is not supported; this deltastore reads format "
             f"version {FORMAT_VERSION}: upgrade deltastore to read newer stores"

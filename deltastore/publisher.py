@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -33,14 +34,20 @@ from deltastore.dtypes import dtype_name, np_words
 from deltastore.errors import (
     ChainError,
     DeltastoreError,
+    ManifestError,
     ManifestNotFoundError,
     ObjectNotFoundError,
+    TensorMismatchError,
     VersionOrderError,
 )
 from deltastore.manifest import (
     LATEST_KEY,
     MANIFEST_PREFIX,
+    MAX_DIMS,
+    MAX_ELEMENTS,
+    MAX_MANIFEST_BYTES,
     MAX_VERSION,
+    NAME_PATTERN,
     Frame,
     Latest,
     Manifest,
@@ -60,6 +67,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
 DEFAULT_MAX_OBJECT_BYTES = 64 << 20
+#: Largest frame a publisher writes (bytes): what subscribers accept by default.
+MAX_FRAME_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,23 @@ class _Pending:
     upload_s: float = 0.0
 
 
+def _table(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, list[int]]]:
+    """Names, dtypes and shapes, checked against the format's limits before any upload."""
+    table: dict[str, tuple[str, list[int]]] = {}
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
+            raise TensorMismatchError(
+                f"tensor name {name!r} is not allowed: 1-1024 characters, no control characters"
+            )
+        if t.dim() > MAX_DIMS or t.numel() > MAX_ELEMENTS:
+            raise TensorMismatchError(
+                f"{name}: shape {list(t.shape)} is over the format's limits "
+                f"({MAX_DIMS} dims, {MAX_ELEMENTS} elements)"
+            )
+        table[name] = (dtype_name(t.dtype), list(t.shape))
+    return table
+
+
 class _PackWriter:
     """Concatenates encoded frames into data objects of about ``max_bytes`` and uploads them."""
 
@@ -166,8 +192,10 @@ class Publisher:
     ) -> None:
         if snapshot != "memory":
             raise ValueError(f"snapshot={snapshot!r} is not supported; use 'memory'")
-        if max_frame_bytes < 8 or max_object_bytes < 1:
-            raise ValueError("max_frame_bytes must be >= 8 and max_object_bytes >= 1")
+        if not 8 <= max_frame_bytes <= MAX_FRAME_BYTES or max_object_bytes < 1:
+            raise ValueError(
+                f"max_frame_bytes must be in [8, {MAX_FRAME_BYTES}] and max_object_bytes >= 1"
+            )
         self.store = open_store(url, storage_options)
         self.token = uuid.uuid4().hex
         self._max_frame_bytes = max_frame_bytes
@@ -204,12 +232,17 @@ class Publisher:
         manifest (names, dtypes, shapes and per-tensor Adler-32) before anything is kept; the
         next publish is then a delta against them. Returns the attached version.
         """
-        if version is None:
-            version = self._head()
-            if version is None:
-                raise ChainError(
-                    f"store {self.store.url} holds no version to attach to; publish an anchor"
-                )
+        head = self._head()
+        if head is None:
+            raise ChainError(
+                f"store {self.store.url} holds no version to attach to; publish an anchor"
+            )
+        version = head if version is None else version
+        if version != head:
+            raise ChainError(
+                f"version {version} is not the store's newest ({head}): a publisher continues "
+                "the chain from its head only; attach with the tensors of the newest version"
+            )
         try:
             manifest = parse_manifest(
                 self.store.get(manifest_key(version)), key=manifest_key(version)
@@ -249,13 +282,13 @@ class Publisher:
         """
         t_start = time.perf_counter()
         self._check_version(version)
-        table = {n: (dtype_name(t.dtype), list(t.shape)) for n, t in tensors.items()}
+        table = _table(tensors)
         state = self._state
         same_table = state is not None and table == {
             n: (s.dtype, s.shape) for n, s in state.items()
         }
         if anchor is False and not same_table:
-            raise VersionOrderError(
+            raise ChainError(
                 "cannot publish a delta: no parent state, or the tensor names/dtypes/shapes "
                 "changed; publish an anchor (anchor=True or None)"
             )
@@ -286,6 +319,11 @@ class Publisher:
         )
         t0 = time.perf_counter()
         body = manifest.to_bytes()
+        if len(body) > MAX_MANIFEST_BYTES:
+            raise ManifestError(
+                f"the manifest would be {len(body)} bytes, over the {MAX_MANIFEST_BYTES} readers "
+                "accept; raise max_frame_bytes to write fewer frames"
+            )
         self.store.put_if_absent(manifest_key(version), body)
         self._advance_latest(version, body)
         pending.upload_s += time.perf_counter() - t0
@@ -335,7 +373,7 @@ class Publisher:
                 f"version {version} is not above the store's newest version {head}; "
                 "versions must increase strictly"
             )
-        if head is not None and self._version is not None and head != self._version:
+        if head is not None and self._version is not None and head != self._version:  # forked
             raise ChainError(
                 f"the store's newest version is {head} but this publisher is at {self._version}: "
                 "another publisher moved the chain; attach() to the store again"
@@ -371,7 +409,9 @@ class Publisher:
                     codec, data = self._encoder.encode_delta(prev.words[a:b], new, pos)
                 else:
                     codec, data = RAW, self._encoder.raw(new)
-                obj, offset = packs.add(data)
+                pending.encode_s += time.perf_counter() - t1
+                obj, offset = packs.add(data)  # may upload a full object (timed as upload)
+                t1 = time.perf_counter()
                 frames.append(
                     Frame(
                         start=a,

@@ -29,7 +29,7 @@ import xxhash
 
 from deltastore._tables import check_contents, check_table
 from deltastore.checksum import adler32, apply_delta, combine, delta_sums, shift_to_outer
-from deltastore.codecs import RAW, XOR_SPARSE, FrameDecoder
+from deltastore.codecs import RAW, XOR_SPARSE, FrameDecoder, compress_bound, sparse_bound
 from deltastore.dtypes import dtype_from_name, flat_words, itemsize, word_dtype
 from deltastore.errors import (
     ChainError,
@@ -314,7 +314,16 @@ class Subscriber:
         if self._tensors is None or self._version is None:
             return self._bootstrap(m, timer), 0.0
         check_table(self._tensors, m, exact=False)
-        if m.kind == "delta" and (m.parent is None or m.parent.state_digest != self._digest):
+        if m.kind == "delta" and set(m.tensors) != set(self._adler):
+            raise ManifestError(
+                f"delta {m.version} names other tensors than its parent; a change of tensor "
+                "set needs an anchor: the store was written by a broken publisher"
+            )
+        if m.kind == "delta" and (
+            m.parent is None
+            or m.parent.state_digest != self._digest
+            or any(e.parent_adler32 != self._adler[n] for n, e in m.tensors.items())
+        ):
             raise WrongParentError(
                 f"version {m.version} is a delta on version "
                 f"{m.parent.version if m.parent else None}, but the tensors are at "
@@ -354,6 +363,12 @@ class Subscriber:
                         f"version {m.version}: a frame of {name} covers {nbytes} bytes, "
                         f"over max_frame_bytes={self._max_frame_bytes}"
                     )
+                content = sparse_bound(f.stop - f.start, size) if f.codec == XOR_SPARSE else nbytes
+                if f.length > compress_bound(content):
+                    raise FrameError(
+                        f"version {m.version}: a frame of {name} claims {f.length} stored bytes, "
+                        f"more than zstd can produce from {content} bytes; the manifest is damaged"
+                    )
 
     # --- pipeline -----------------------------------------------------------------------
 
@@ -374,8 +389,8 @@ class Subscriber:
             )
         if xxhash.xxh3_64_hexdigest(data) != f.xxh3:
             raise IntegrityError(
-                f"{f.object}: frame at offset {f.offset} is corrupted (xxh3 mismatch); "
-                "the stored object was damaged: re-publish the version or sync from an anchor"
+                f"{f.object}: frame at offset {f.offset} is corrupted (xxh3 mismatch): the "
+                "stored object is damaged; wait for a newer anchor, or restore the object"
             )
         timer.add(fetch=t1 - t0)
         return data
@@ -450,6 +465,11 @@ class Subscriber:
                 parts_new.append(new_chunk[idx])
             pos, old, new = (np.concatenate(p) for p in (parts_pos, parts_old, parts_new))
             sums = delta_sums(pos, old, new, n * size)
+            if f.parent_adler32 is not None and pos.size != f.changed:
+                raise FrameError(
+                    f"{name}[{f.start}:{f.stop}]: frame changes {pos.size} elements, "
+                    f"the manifest says {f.changed}"
+                )
         if frame_adler != f.adler32:
             raise IntegrityError(
                 f"{name}[{f.start}:{f.stop}]: decoded frame has Adler-32 {frame_adler:08x}, "
@@ -466,9 +486,9 @@ class Subscriber:
         done: list[_Staged] = []
         try:
             for s in staged:
+                done.append(s)  # before the write: a scatter that fails halfway is undone too
                 if s.positions.size:
                     _scatter(flat_words(self._tensors[s.name]), s.positions, s.new)
-                done.append(s)
         except BaseException:
             for s in reversed(done):
                 _scatter(flat_words(self._tensors[s.name]), s.positions, s.old)

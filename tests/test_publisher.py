@@ -71,7 +71,7 @@ def test_first_publish_is_anchor_then_deltas(tmp_path: Path) -> None:
 
 def test_anchor_flags(tmp_path: Path) -> None:
     pub = Publisher(tmp_path)
-    with pytest.raises(VersionOrderError, match="anchor"):
+    with pytest.raises(ChainError, match="anchor"):
         pub.publish(model(0), version=1, anchor=False)
     v1 = model(0)
     pub.publish(v1, version=1)
@@ -81,7 +81,7 @@ def test_anchor_flags(tmp_path: Path) -> None:
     m = parse_manifest((tmp_path / manifest_key(2)).read_bytes())
     assert m.parent is not None and m.parent.version == 1
     changed_shape = {**v2, "extra": torch.zeros(3)}
-    with pytest.raises(VersionOrderError):
+    with pytest.raises(ChainError):
         pub.publish(changed_shape, version=3, anchor=False)
     r3 = pub.publish(changed_shape, version=3)
     assert r3.kind == "anchor" and r3.parent is None
@@ -127,9 +127,34 @@ def test_attach_after_restart_continues_the_chain(tmp_path: Path) -> None:
     assert same_bits(v2, sub.tensors)
 
 
-def test_attach_to_empty_store(tmp_path: Path) -> None:
+def test_attach_to_empty_store_or_below_head(tmp_path: Path) -> None:
     with pytest.raises(ChainError):
         Publisher(tmp_path).attach(model(0))
+    v1 = model(0)
+    pub = Publisher(tmp_path)
+    pub.publish(v1, version=1)
+    pub.publish(nudge(v1, 1), version=2)
+    with pytest.raises(ChainError, match="newest"):
+        Publisher(tmp_path).attach(v1, version=1)
+
+
+@pytest.mark.parametrize(
+    ("name", "tensor"),
+    [
+        ("", torch.zeros(2)),
+        ("bad\nname", torch.zeros(2)),
+        ("deep", torch.zeros([1] * 17)),
+    ],
+)
+def test_bad_tensor_tables_are_refused_before_upload(tmp_path: Path, name: str, tensor) -> None:
+    with pytest.raises(TensorMismatchError):
+        Publisher(tmp_path).publish({name: tensor}, version=1)
+    assert not (tmp_path / "versions").exists()
+
+
+def test_frame_size_is_bounded(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_frame_bytes"):
+        Publisher(tmp_path, max_frame_bytes=2 << 30)
 
 
 def test_stale_publisher_cannot_fork_the_chain(tmp_path: Path) -> None:

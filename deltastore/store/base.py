@@ -24,7 +24,7 @@ MAX_KEY_LENGTH = 1024
 
 def validate_key(key: str) -> str:
     """Return ``key`` if it is a clean relative key; :class:`InvalidKeyError` otherwise."""
-    if not isinstance(key, str) or len(key) > MAX_KEY_LENGTH or not _KEY.match(key):
+    if not isinstance(key, str) or len(key) > MAX_KEY_LENGTH or not _KEY.fullmatch(key):
         raise InvalidKeyError(
             f"invalid store key {key!r}: keys are relative paths of [A-Za-z0-9._-] segments "
             "joined by '/', with no segment starting with '.', and never leave the store root"

@@ -64,8 +64,9 @@ class LocalStore(Store):
     def get_range(self, key: str, start: int, length: int) -> bytes:
         path = self._path(key)
         with self._errors("get_range", key), open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
             fh.seek(start)
-            return fh.read(length)
+            return fh.read(max(0, min(length, size - start)))
 
     def _write_temp(self, path: Path, data: bytes) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
