@@ -47,6 +47,11 @@ def check_contents(tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> N
         for name, entry in manifest.tensors.items()
         if adler32(np_words(tensors[name].detach().cpu())) != entry.adler32
     ]
+    raise_if_mismatched(bad, manifest)
+
+
+def raise_if_mismatched(bad: list[str], manifest: Manifest) -> None:
+    """Raise :class:`TensorMismatchError` naming the tensors in ``bad`` (if any)."""
     if bad:
         raise TensorMismatchError(
             f"{len(bad)} tensors differ from version {manifest.version} "

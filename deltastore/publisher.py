@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import xxhash
 
-from deltastore._tables import check_contents, check_table
+from deltastore._tables import check_table, raise_if_mismatched
 from deltastore._version import __version__
 from deltastore.checksum import adler32, combine
 from deltastore.codecs import RAW, FrameEncoder
@@ -252,13 +252,17 @@ class Publisher:
                 f"version {version} is not committed in store {self.store.url}"
             ) from None
         check_table(tensors, manifest, exact=True)
-        check_contents(tensors, manifest)
-        self._state = {name: self._snapshot(tensors[name], None) for name in manifest.tensors}
+        state = {name: self._snapshot(tensors[name]) for name in manifest.tensors}
+        raise_if_mismatched(
+            [n for n, s in state.items() if s.adler != manifest.tensors[n].adler32], manifest
+        )
+        self._state = state
         self._version, self._digest = version, manifest.state_digest
         return version
 
-    def _snapshot(self, t: torch.Tensor, words: np.ndarray | None) -> _TensorState:
-        src = np_words(t.detach().cpu()) if words is None else words
+    def _snapshot(self, t: torch.Tensor) -> _TensorState:
+        """Copy of ``t``'s words with per-frame and whole-tensor Adler-32 (one pass)."""
+        src = np_words(t.detach().cpu())
         size = t.element_size()
         bounds = self._frames_of(src.size, size)
         frames = [adler32(src[a:b]) for a, b in bounds]
