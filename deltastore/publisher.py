@@ -262,7 +262,7 @@ class Publisher:
 
     def _snapshot(self, t: torch.Tensor) -> _TensorState:
         """Copy of ``t``'s words with per-frame and whole-tensor Adler-32 (one pass)."""
-        src = np_words(t.detach().cpu())
+        src = np_words(t.detach().cpu().contiguous())
         size = t.element_size()
         bounds = self._frames_of(src.size, size)
         frames = [adler32(src[a:b]) for a, b in bounds]
@@ -302,7 +302,7 @@ class Publisher:
         packs = _PackWriter(
             self.store, f"{data_prefix(version)}{self.token[:12]}-", self._max_object_bytes, pending
         )
-        host = {n: np_words(t.detach().cpu()) for n, t in tensors.items()}
+        host = {n: np_words(t.detach().cpu().contiguous()) for n, t in tensors.items()}
         for name, words in host.items():
             prev = parent_state[name] if parent_state is not None else None
             self._encode_tensor(name, words, table[name], prev, kind, packs, pending)

@@ -235,3 +235,12 @@ def test_latest_never_moves_backwards(tmp_path: Path) -> None:
     (tmp_path / "LATEST").write_bytes(b"garbage")  # a damaged hint is replaced, not trusted
     pub._advance_latest(8, b"{}")
     assert parse_latest((tmp_path / "LATEST").read_bytes()).version == 8
+
+
+def test_non_contiguous_tensors_publish_like_their_contiguous_copy(tmp_path: Path) -> None:
+    base = (torch.randn(64, 48) * 0.02).to(torch.bfloat16)
+    pub = Publisher(tmp_path)
+    pub.publish({"w": base.t()}, version=1)  # a transposed view
+    sub = Subscriber(tmp_path)
+    sub.sync()
+    assert same_bits({"w": base.t().contiguous()}, sub.tensors)
