@@ -62,7 +62,8 @@ def data_prefix(version: int) -> str:
 def version_of_key(key: str) -> int | None:
     """Version number of a manifest key, or None if ``key`` is not a manifest key."""
     match = _MANIFEST_KEY.fullmatch(key)
-    return int(match.group(1)) if match else None
+    version = int(match.group(1)) if match else None
+    return version if version is not None and version <= MAX_VERSION else None
 
 
 class _Model(BaseModel):

@@ -26,6 +26,12 @@ import numpy as np
 import torch
 import xxhash
 
+from deltastore._snapshot import (
+    DiskSnapshot,
+    MemorySnapshot,
+    SavedState,
+    TensorState,
+)
 from deltastore._tables import check_table, raise_if_mismatched
 from deltastore._version import __version__
 from deltastore.checksum import adler32, combine
@@ -100,17 +106,6 @@ class PublishReport:
 
 
 @dataclass
-class _TensorState:
-    """Publisher-side memory of one tensor at the last published version."""
-
-    dtype: str
-    shape: list[int]
-    words: np.ndarray  # snapshot of the published words (unsigned, little-endian)
-    frame_adler: list[int]
-    adler: int
-
-
-@dataclass
 class _Pending:
     """Everything of a publish that takes effect only once the manifest is committed."""
 
@@ -127,7 +122,7 @@ def _table(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, list[int
     """Names, dtypes and shapes, checked against the format's limits before any upload."""
     table: dict[str, tuple[str, list[int]]] = {}
     for name, t in tensors.items():
-        if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
+        if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name) or not _utf8(name):
             raise TensorMismatchError(
                 f"tensor name {name!r} is not allowed: 1-1024 characters, no control characters"
             )
@@ -138,6 +133,14 @@ def _table(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, list[int
             )
         table[name] = (dtype_name(t.dtype), list(t.shape))
     return table
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates
+        return False
+    return True
 
 
 class _PackWriter:
@@ -175,7 +178,9 @@ class _PackWriter:
 class Publisher:
     """Publishes versions of a set of tensors to a store.
 
-    Keyword options: ``snapshot`` (only ``"memory"`` in this release), ``max_frame_bytes``
+    Keyword options: ``snapshot`` (``"memory"``: the parent's words in RAM; ``"disk"``: in a
+    memory-mapped file under ``state_dir``, which also lets a restarted publisher continue
+    without :meth:`attach`), ``max_frame_bytes``
     (dense bytes per frame, default 16 MiB), ``max_object_bytes`` (bytes per data object,
     default 64 MiB), ``zstd_level`` (default 1).
     """
@@ -185,13 +190,14 @@ class Publisher:
         url: str | os.PathLike[str] | Store,
         *,
         storage_options: dict[str, Any] | None = None,
-        snapshot: Literal["memory"] = "memory",
+        snapshot: Literal["memory", "disk"] = "memory",
+        state_dir: str | os.PathLike[str] | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
         zstd_level: int = 1,
     ) -> None:
-        if snapshot != "memory":
-            raise ValueError(f"snapshot={snapshot!r} is not supported; use 'memory'")
+        if snapshot not in ("memory", "disk") or (snapshot == "disk") != (state_dir is not None):
+            raise ValueError("snapshot must be 'memory', or 'disk' together with state_dir")
         if not 8 <= max_frame_bytes <= MAX_FRAME_BYTES or max_object_bytes < 1:
             raise ValueError(
                 f"max_frame_bytes must be in [8, {MAX_FRAME_BYTES}] and max_object_bytes >= 1"
@@ -201,10 +207,39 @@ class Publisher:
         self._max_frame_bytes = max_frame_bytes
         self._max_object_bytes = max_object_bytes
         self._encoder = FrameEncoder(zstd_level)
-        self._state: dict[str, _TensorState] | None = None
+        self._state: dict[str, TensorState] | None = None
         self._version: int | None = None
         self._digest: str | None = None
         self._ne = np.empty(0, dtype=np.bool_)
+        self._snapshots: MemorySnapshot = (
+            DiskSnapshot(state_dir) if state_dir is not None else MemorySnapshot()
+        )
+        self._resume(self._snapshots.load())
+
+    def _resume(self, saved: SavedState | None) -> None:
+        """Adopt a saved state if it is this store's committed version with these settings."""
+        if saved is None or saved.store != self.store.url:
+            return
+        if saved.max_frame_bytes != self._max_frame_bytes:
+            log.info("saved state ignored: it was written with another max_frame_bytes")
+            return
+        try:
+            manifest = parse_manifest(self.store.get(manifest_key(saved.version)))
+        except DeltastoreError as exc:
+            log.info("saved state ignored: version %d unreadable (%s)", saved.version, exc)
+            return
+        if manifest.state_digest != saved.state_digest:
+            log.info("saved state ignored: it does not match version %d", saved.version)
+            return
+        self._state, self._version, self._digest = saved.tensors, saved.version, saved.state_digest
+
+    def _save(self) -> None:
+        if self._state is not None and self._version is not None and self._digest is not None:
+            self._snapshots.commit(
+                SavedState(
+                    self.store.url, self._version, self._digest, self._max_frame_bytes, self._state
+                )
+            )
 
     @property
     def version(self) -> int | None:
@@ -252,16 +287,24 @@ class Publisher:
                 f"version {version} is not committed in store {self.store.url}"
             ) from None
         check_table(tensors, manifest, exact=True)
-        state = {name: self._snapshot(tensors[name]) for name in manifest.tensors}
+        sums = {name: self._checksums(tensors[name]) for name in manifest.tensors}
         raise_if_mismatched(
-            [n for n, s in state.items() if s.adler != manifest.tensors[n].adler32], manifest
+            [n for n, (_, total) in sums.items() if total != manifest.tensors[n].adler32], manifest
         )
-        self._state = state
+        self._snapshots.begin_update()
+        words = self._snapshots.replace(
+            {n: np_words(tensors[n].detach().cpu().contiguous()) for n in manifest.tensors}
+        )
+        self._state = {
+            n: TensorState(e.dtype, e.shape, words[n], sums[n][0], sums[n][1])
+            for n, e in manifest.tensors.items()
+        }
         self._version, self._digest = version, manifest.state_digest
+        self._save()
         return version
 
-    def _snapshot(self, t: torch.Tensor) -> _TensorState:
-        """Copy of ``t``'s words with per-frame and whole-tensor Adler-32 (one pass)."""
+    def _checksums(self, t: torch.Tensor) -> tuple[list[int], int]:
+        """Per-frame and whole-tensor Adler-32 of ``t`` (one pass)."""
         src = np_words(t.detach().cpu().contiguous())
         size = t.element_size()
         bounds = self._frames_of(src.size, size)
@@ -269,7 +312,7 @@ class Publisher:
         total = 1
         for (a, b), fa in zip(bounds, frames, strict=True):
             total = combine(total, fa, (b - a) * size)
-        return _TensorState(dtype_name(t.dtype), list(t.shape), src.copy(), frames, total)
+        return frames, total
 
     # --- publish ------------------------------------------------------------------------
 
@@ -333,6 +376,7 @@ class Publisher:
         pending.upload_s += time.perf_counter() - t0
         self._commit_state(host, pending, incremental=parent_state is not None)
         self._version, self._digest = version, manifest.state_digest
+        self._save()
         report = PublishReport(
             version=version,
             kind=kind,
@@ -388,7 +432,7 @@ class Publisher:
         name: str,
         words: np.ndarray,
         spec: tuple[str, list[int]],
-        prev: _TensorState | None,
+        prev: TensorState | None,
         kind: str,
         packs: _PackWriter,
         pending: _Pending,
@@ -485,19 +529,21 @@ class Publisher:
         self, host: dict[str, np.ndarray], pending: _Pending, *, incremental: bool
     ) -> None:
         """After the commit: bring the snapshot to the published version."""
+        self._snapshots.begin_update()
         if incremental and self._state is not None:
             for snap, positions, values in pending.updates:
                 snap[positions] = values
             for name, st in self._state.items():
                 st.frame_adler = pending.frame_adler[name]
                 st.adler = pending.entries[name].adler32
-            return
-        self._state = {}
-        for name, words in host.items():
-            entry = pending.entries[name]
-            self._state[name] = _TensorState(
-                entry.dtype, entry.shape, words.copy(), pending.frame_adler[name], entry.adler32
-            )
+        else:
+            words = self._snapshots.replace(host)
+            self._state = {
+                name: TensorState(
+                    e.dtype, e.shape, words[name], pending.frame_adler[name], e.adler32
+                )
+                for name, e in pending.entries.items()
+            }
 
 
 __all__ = ["PublishReport", "Publisher"]

@@ -159,8 +159,8 @@ class Subscriber:
     ) -> None:
         if version is not None and tensors is None:
             raise ValueError("version= needs tensors=: the tensors that are at that version")
-        if max_workers < 1 or max_inflight_bytes < 1:
-            raise ValueError("max_workers and max_inflight_bytes must be positive")
+        if max_workers < 1 or max_inflight_bytes < 1 or max_frame_bytes < 1:
+            raise ValueError("max_workers, max_inflight_bytes and max_frame_bytes must be positive")
         self.store = open_store(url, storage_options)
         self._tensors = tensors
         self._version = version
@@ -330,7 +330,8 @@ class Subscriber:
                 f"{self._version} with another state; sync from an anchor instead"
             )
         tasks = [(name, entry, f) for name, entry in m.tensors.items() for f in entry.frames]
-        staged = self._pipeline(tasks, lambda t, dec: self._stage(*t, dec, timer), timer)
+        delta = m.kind == "delta"
+        staged = self._pipeline(tasks, lambda t, dec: self._stage(*t, dec, timer, delta), timer)
         t0 = time.perf_counter()
         got: dict[str, int] = {}
         for st, (_, entry, f) in zip(staged, tasks, strict=True):
@@ -431,7 +432,13 @@ class Subscriber:
         return [f.result() for f in futures]
 
     def _stage(
-        self, name: str, entry: TensorEntry, f: Frame, dec: FrameDecoder, timer: _Timer
+        self,
+        name: str,
+        entry: TensorEntry,
+        f: Frame,
+        dec: FrameDecoder,
+        timer: _Timer,
+        delta: bool,
     ) -> _Staged:
         """Fetch one frame and turn it into changes against the local tensor (reads only)."""
         if self._tensors is None:  # pragma: no cover - guarded by _apply
@@ -465,7 +472,7 @@ class Subscriber:
                 parts_new.append(new_chunk[idx])
             pos, old, new = (np.concatenate(p) for p in (parts_pos, parts_old, parts_new))
             sums = delta_sums(pos, old, new, n * size)
-            if f.parent_adler32 is not None and pos.size != f.changed:
+            if delta and pos.size != f.changed:  # an anchor may land on any older state
                 raise FrameError(
                     f"{name}[{f.start}:{f.stop}]: frame changes {pos.size} elements, "
                     f"the manifest says {f.changed}"

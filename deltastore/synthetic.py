@@ -59,7 +59,7 @@ class ModelConfig:
 TINY = ModelConfig(
     vocab=5000, hidden=256, layers=3, intermediate=704, heads=4, kv_heads=1, head_dim=64
 )
-#: ~50M elements (~100 MB bf16).
+#: ~69M elements (~138 MB bf16).
 SMALL = ModelConfig(
     vocab=32000, hidden=512, layers=12, intermediate=1536, heads=8, kv_heads=2, head_dim=64
 )

@@ -244,3 +244,23 @@ def test_non_contiguous_tensors_publish_like_their_contiguous_copy(tmp_path: Pat
     sub = Subscriber(tmp_path)
     sub.sync()
     assert same_bits({"w": base.t().contiguous()}, sub.tensors)
+
+
+def test_lagging_subscriber_applies_an_anchor_with_a_parent(tmp_path: Path) -> None:
+    pub = Publisher(tmp_path, max_frame_bytes=2048)
+    v1 = model(0)
+    pub.publish(v1, version=1)
+    sub = Subscriber(tmp_path, tensors={k: t.clone() for k, t in v1.items()}, version=1)
+    v2 = nudge(v1, 11)
+    pub.publish(v2, version=2)
+    v3 = nudge(v2, 12)
+    assert pub.publish(v3, version=3, anchor=True).parent == 2
+    report = sub.sync()  # at v1, the chain stops at the anchor v3 and applies it in place
+    assert report.applied == (3,) and report.kind == "anchor"
+    assert same_bits(v3, sub.tensors)
+
+
+def test_lone_surrogate_names_are_refused_before_upload(tmp_path: Path) -> None:
+    with pytest.raises(TensorMismatchError):
+        Publisher(tmp_path).publish({"bad\ud800": torch.zeros(2)}, version=1)
+    assert not (tmp_path / "versions").exists()
