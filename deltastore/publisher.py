@@ -67,6 +67,7 @@ from deltastore.manifest import (
     state_digest,
     version_of_key,
 )
+from deltastore.progress import ProgressFn, Ticker
 from deltastore.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -317,18 +318,24 @@ class Publisher:
     # --- publish ------------------------------------------------------------------------
 
     def publish(
-        self, tensors: Mapping[str, torch.Tensor], *, version: int, anchor: bool | None = None
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        version: int,
+        anchor: bool | None = None,
+        progress: ProgressFn | None = None,
     ) -> PublishReport:
         """Publish ``tensors`` as ``version`` and commit it.
 
         The first publish (and any publish whose tensor names, dtypes or shapes differ from
         the parent's) is an anchor; ``anchor=True`` forces one, ``anchor=False`` refuses to
-        write one. Tensors must not be modified during the call. Raises
+        write one. ``progress`` is called after each frame (dense bytes). Tensors must not be
+        modified during the call. Raises
         :class:`VersionOrderError` for a version not above the chain head and
         :class:`VersionExistsError` when another writer committed ``version`` first.
         """
         t_start = time.perf_counter()
-        self._check_version(version)
+        self._check_version(version, anchor=bool(anchor))
         table = _table(tensors)
         state = self._state
         same_table = state is not None and table == {
@@ -346,9 +353,14 @@ class Publisher:
             self.store, f"{data_prefix(version)}{self.token[:12]}-", self._max_object_bytes, pending
         )
         host = {n: np_words(t.detach().cpu().contiguous()) for n, t in tensors.items()}
+        ticker = Ticker(
+            progress,
+            sum(len(self._frames_of(w.size, w.dtype.itemsize)) for w in host.values()),
+            sum(w.nbytes for w in host.values()),
+        )
         for name, words in host.items():
             prev = parent_state[name] if parent_state is not None else None
-            self._encode_tensor(name, words, table[name], prev, kind, packs, pending)
+            self._encode_tensor(name, words, table[name], prev, kind, packs, pending, ticker)
         packs.flush()
         manifest = Manifest(
             format_version=1,
@@ -402,7 +414,7 @@ class Publisher:
         )
         return report
 
-    def _check_version(self, version: int) -> None:
+    def _check_version(self, version: int, *, anchor: bool) -> None:
         if (
             isinstance(version, bool)
             or not isinstance(version, int)
@@ -422,9 +434,13 @@ class Publisher:
                 "versions must increase strictly"
             )
         if head is not None and self._version is not None and head != self._version:  # forked
+            if anchor:  # a forced anchor needs no parent: forget the stale one
+                self._state = self._version = self._digest = None
+                return
             raise ChainError(
                 f"the store's newest version is {head} but this publisher is at {self._version}: "
-                "another publisher moved the chain; attach() to the store again"
+                "another publisher moved the chain; attach() to the store again (CLI: --parent) "
+                "or publish an anchor"
             )
 
     def _encode_tensor(
@@ -436,6 +452,7 @@ class Publisher:
         kind: str,
         packs: _PackWriter,
         pending: _Pending,
+        ticker: Ticker,
     ) -> None:
         size = words.dtype.itemsize
         frames: list[Frame] = []
@@ -479,6 +496,7 @@ class Publisher:
                 pending.updates.append((prev.words, pos + a, new[pos]))
             pending.encode_s += time.perf_counter() - t1
             frame_adler.append(fa)
+            ticker.tick(new.nbytes)
             total_adler = combine(total_adler, fa, (b - a) * size)
             changed_total += changed
         pending.frame_adler[name] = frame_adler

@@ -51,6 +51,7 @@ from deltastore.manifest import (
     parse_manifest,
     version_of_key,
 )
+from deltastore.progress import ProgressFn, Ticker
 from deltastore.store import Store, open_store
 
 T = TypeVar("T")
@@ -96,10 +97,12 @@ class _Staged:
     frame_adler: int
 
 
-class _Timer:
-    """Seconds summed over worker threads: fetching, and all per-frame work (fetch included)."""
+class _Timer(Ticker):
+    """Seconds summed over worker threads: fetching, and all per-frame work (fetch included);
+    also counts finished frames for the progress callback."""
 
-    def __init__(self) -> None:
+    def __init__(self, fn: ProgressFn | None = None, frames: int = 0, nbytes: int = 0) -> None:
+        super().__init__(fn, frames, nbytes)
         self.lock = threading.Lock()
         self.fetch = 0.0
         self.work = 0.0
@@ -231,12 +234,21 @@ class Subscriber:
         self._set_state(m)
         self._verified = True
 
-    def sync(self, version: int | None = None) -> SyncReport:
+    def sync(
+        self,
+        version: int | None = None,
+        *,
+        progress: ProgressFn | None = None,
+        on_version: Callable[[Manifest], None] | None = None,
+    ) -> SyncReport:
         """Bring the tensors to ``version`` (default: the newest committed one).
 
         Applies the chain of versions from the current one (or from the newest anchor at or
         below the target) in order; each version is applied whole or not at all. On error the
         tensors stay at the last version fully applied, and :attr:`version` says which.
+        ``progress`` is called (from worker threads, serialized) after each frame, in stored
+        bytes; ``on_version`` after each version is applied, with its manifest, before the
+        next one starts (e.g. to record the state durably).
         """
         t_start = time.perf_counter()
         if not self._verified:
@@ -250,11 +262,17 @@ class Subscriber:
                 f"the tensors are at version {start}, newer than the requested {target}"
             )
         steps = self._plan(target)
-        timer = _Timer()
+        timer = _Timer(
+            progress,
+            sum(len(t.frames) for m in steps for t in m.tensors.values()),
+            sum(m.payload_bytes for m in steps),
+        )
         verify_s = pause_s = 0.0
         for m in steps:
             v_s, p_s = self._apply(m, timer)
             verify_s, pause_s = verify_s + v_s, pause_s + p_s
+            if on_version is not None:
+                on_version(m)
         kind: Literal["anchor", "delta", "none"] = (
             "none" if not steps else "anchor" if any(m.kind == "anchor" for m in steps) else "delta"
         )
@@ -413,6 +431,7 @@ class Subscriber:
                 t0 = time.perf_counter()
                 out = work(task, self._decoder())
                 timer.add(work=time.perf_counter() - t0)
+                timer.tick(task[2].length)
                 return out
             except BaseException:
                 failed.set()

@@ -65,6 +65,14 @@ SMALL = ModelConfig(
 )
 
 
+#: ~245M elements (~490 MB bf16).
+MEDIUM = ModelConfig(
+    vocab=32000, hidden=1024, layers=16, intermediate=2816, heads=16, kv_heads=4, head_dim=64
+)
+#: Demo and benchmark sizes by name.
+SIZES = {"tiny": TINY, "small": SMALL, "medium": MEDIUM}
+
+
 class AdamWTrajectory:
     """fp32 masters + AdamW; :meth:`step` advances one version and returns bf16 tensors."""
 

@@ -25,7 +25,7 @@ def test_demo_runs_bit_exact_on_a_kept_store(tmp_path: Path) -> None:
         app, ["demo", "--size", "tiny", "--versions", "3", "--store", str(store)]
     )
     assert result.exit_code == 0, result.output
-    assert "all versions bit-exact" in result.output
+    assert "all receivers bit-exact" in result.output
     assert "MISMATCH" not in result.output
     for v in (1, 2, 3):
         assert (store / manifest_key(v)).is_file()

@@ -1,13 +1,55 @@
-"""The ``deltastore`` command: a thin typer layer over the library."""
+"""The ``deltastore`` command: a thin typer layer over the library.
+
+Every command calls one library function and formats its result; errors become one line on
+stderr and the exit codes in ``docs/cli.md``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from typing import Annotated
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
+from rich.table import Table
 
 from deltastore._version import __version__
+from deltastore.cli._common import (
+    EXIT_MISMATCH,
+    Settings,
+    err_console,
+    handle_errors,
+    human_bytes,
+    out_console,
+    parse_storage_options,
+    print_json,
+    progress_bar,
+    settings,
+    setup_logging,
+)
+from deltastore.publisher import PublishReport
+from deltastore.subscriber import SyncReport
+
+app = typer.Typer(
+    help="Move model weights through shared storage, sending only what changed.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+StoreArg = Annotated[str, typer.Argument(help="Store: a local folder, file:// or fsspec URL.")]
+StorageOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--storage-option",
+        "-o",
+        metavar="KEY=VALUE",
+        help="Passed to the store's filesystem (repeatable; VALUE is JSON if it parses).",
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 
 
 class Size(str, enum.Enum):
@@ -15,9 +57,7 @@ class Size(str, enum.Enum):
 
     tiny = "tiny"
     small = "small"
-
-
-app = typer.Typer(help="Move model weights through shared storage, sending only what changed.")
+    medium = "medium"
 
 
 def _version(value: bool) -> None:
@@ -28,30 +68,303 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
+    verbose: Annotated[
+        int,
+        typer.Option("--verbose", "-v", count=True, help="More logging (-vv: debug); tracebacks."),
+    ] = 0,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
 ) -> None:
-    """deltastore command line."""
+    """deltastore: publish and pull model versions through a store."""
+    ctx.obj = Settings(verbose=verbose, quiet=quiet)
+    setup_logging(verbose)
+
+
+def _report_json(report: PublishReport | SyncReport) -> dict[str, Any]:
+    return dataclasses.asdict(report)
+
+
+@app.command()
+def publish(
+    ctx: typer.Context,
+    store: StoreArg,
+    src: Annotated[Path, typer.Argument(help="A .safetensors file or an HF checkpoint folder.")],
+    version: Annotated[int, typer.Option("--version", min=0, help="Version number to publish.")],
+    parent: Annotated[
+        Path | None,
+        typer.Option(help="Checkpoint of the store's newest version: publish a delta against it."),
+    ] = None,
+    anchor: Annotated[bool, typer.Option("--anchor", help="Publish a full version.")] = False,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Publisher state folder [default: ~/.cache/deltastore/publisher/<store>]."
+        ),
+    ] = None,
+    max_frame_bytes: Annotated[int, typer.Option(help="Dense bytes per frame.")] = 16 << 20,
+    zstd_level: Annotated[int, typer.Option(help="zstd compression level.")] = 1,
+    storage_option: StorageOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Publish checkpoint SRC as version N (a delta when a parent is known, else an anchor)."""
+    from deltastore.folders import publish_checkpoint
+
+    with handle_errors(ctx), progress_bar(ctx, f"publish v{version}") as progress:
+        report = publish_checkpoint(
+            store,
+            src,
+            version=version,
+            parent=parent,
+            anchor=anchor,
+            state_dir=state_dir,
+            storage_options=parse_storage_options(storage_option),
+            progress=progress,
+            max_frame_bytes=max_frame_bytes,
+            zstd_level=zstd_level,
+        )
+    if json_out:
+        print_json(_report_json(report))
+        return
+    out_console.print(
+        f"published v{report.version} ({report.kind}"
+        + (f" on v{report.parent}" if report.parent is not None else "")
+        + f"): {100 * report.changed_fraction:.3f}% changed, "
+        f"{human_bytes(report.payload_bytes)} ({100 * report.payload_ratio:.2f}% of dense) "
+        f"in {report.total_s:.2f} s",
+        highlight=False,
+    )
+
+
+def _print_pull(report: SyncReport, json_out: bool) -> None:
+    if json_out:
+        print_json(_report_json(report))
+        return
+    if report.kind == "none":
+        out_console.print(f"already at v{report.version}", highlight=False)
+        return
+    out_console.print(
+        f"pulled v{report.version} ({report.kind}, applied {', '.join(map(str, report.applied))}): "
+        f"{human_bytes(report.payload_bytes)} fetched, "
+        f"{report.changed_elements} elements changed in {report.total_s:.2f} s "
+        f"(pause {report.pause_s * 1000:.1f} ms)",
+        highlight=False,
+    )
+
+
+@app.command()
+def pull(
+    ctx: typer.Context,
+    store: StoreArg,
+    dest: Annotated[Path, typer.Argument(help="Checkpoint folder to create or update in place.")],
+    version: Annotated[
+        int | None, typer.Option("--version", min=0, help="Version [default: newest].")
+    ] = None,
+    watch: Annotated[
+        bool, typer.Option("--watch", help="Keep polling and apply each new version.")
+    ] = False,
+    interval: Annotated[
+        float, typer.Option(min=0.05, help="Seconds between polls with --watch (±20% jitter).")
+    ] = 5.0,
+    storage_option: StorageOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Bring folder DEST to a version: created from the newest anchor when empty, else
+    updated in place. With --watch, follow the store until interrupted."""
+    from deltastore.folders import pull_checkpoint, watch_checkpoint
+
+    options = parse_storage_options(storage_option)
+    if watch:
+        if version is not None:
+            raise typer.BadParameter("--watch follows the newest version; drop --version")
+        stop = threading.Event()  # Ctrl-C / SIGTERM: finish the version in flight, then stop
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        with handle_errors(ctx):
+            watch_checkpoint(
+                store,
+                dest,
+                interval=interval,
+                stop=stop,
+                on_report=lambda r: _print_pull(r, json_out),
+                storage_options=options,
+            )
+        err_console.print("stopped watching")
+        return
+    with handle_errors(ctx), progress_bar(ctx, "pull") as progress:
+        report = pull_checkpoint(
+            store, dest, version=version, storage_options=options, progress=progress
+        )
+    _print_pull(report, json_out)
+
+
+@app.command("log")
+def log_cmd(
+    ctx: typer.Context,
+    store: StoreArg,
+    limit: Annotated[int | None, typer.Option(min=1, help="Show only the newest N.")] = None,
+    storage_option: StorageOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """List committed versions, newest first."""
+    from deltastore.history import version_log
+
+    with handle_errors(ctx):
+        entries = version_log(
+            store, storage_options=parse_storage_options(storage_option), limit=limit
+        )
+    if json_out:
+        print_json([e.to_json() for e in entries])
+        return
+    table = Table(box=None)
+    for col in ("version", "kind", "parent", "changed", "payload", "of dense", "created"):
+        table.add_column(col, justify="left" if col in ("kind", "created") else "right")
+    for e in entries:
+        table.add_row(
+            str(e.version),
+            e.kind,
+            "-" if e.parent is None else str(e.parent),
+            f"{100 * e.changed_fraction:.3f}%",
+            human_bytes(e.payload_bytes),
+            f"{100 * e.payload_ratio:.2f}%",
+            e.created,
+        )
+    out_console.print(table)
+
+
+@app.command()
+def show(
+    ctx: typer.Context,
+    store: StoreArg,
+    version: Annotated[int, typer.Argument(min=0, help="Version to show.")],
+    tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor.")] = False,
+    storage_option: StorageOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Show one version's manifest (--json: the manifest itself)."""
+    from deltastore.subscriber import Subscriber
+
+    with handle_errors(ctx):
+        m = Subscriber(store, storage_options=parse_storage_options(storage_option)).manifest(
+            version
+        )
+    if json_out:
+        print_json(m.model_dump(mode="json"))
+        return
+    lines = [
+        f"version       {m.version}",
+        f"kind          {m.kind}",
+        f"parent        {m.parent.version if m.parent else '-'}",
+        f"created       {m.created}",
+        f"writer        {m.writer.library} ({m.writer.token[:12]})",
+        f"state digest  {m.state_digest}",
+        f"tensors       {len(m.tensors)} "
+        f"({m.total_elements} elements, {human_bytes(m.dense_bytes)})",
+        f"changed       {m.changed_elements} "
+        f"({100 * m.changed_elements / max(1, m.total_elements):.3f}%)",
+        f"payload       {human_bytes(m.payload_bytes)} "
+        f"({100 * m.payload_bytes / max(1, m.dense_bytes):.2f}% of dense)",
+    ]
+    out_console.print("\n".join(lines), highlight=False)
+    if tensors:
+        table = Table(box=None)
+        for col in ("tensor", "dtype", "shape", "changed", "frames", "payload", "codecs"):
+            table.add_column(
+                col, justify="left" if col in ("tensor", "dtype", "codecs") else "right"
+            )
+        for name, e in m.tensors.items():
+            codecs = sorted({f.codec for f in e.frames})
+            table.add_row(
+                name,
+                e.dtype,
+                "x".join(map(str, e.shape)) or "scalar",
+                str(e.changed),
+                str(len(e.frames)),
+                human_bytes(sum(f.length for f in e.frames)),
+                ",".join(codecs) or "-",
+            )
+        out_console.print(table)
 
 
 @app.command()
 def demo(
+    ctx: typer.Context,
     store: Annotated[
-        str | None, typer.Option(help="Store folder (default: a temporary one).")
+        str | None,
+        typer.Option(help="Store [default: ./deltastore-demo, emptied first]."),
     ] = None,
+    size: Annotated[Size, typer.Option(help="Synthetic model size.")] = Size.small,
     versions: Annotated[int, typer.Option(min=2, help="Versions to publish.")] = 5,
-    size: Annotated[
-        Size, typer.Option(help="Model size: tiny (~5M) or small (~70M elements).")
-    ] = Size.small,
+    receivers: Annotated[int, typer.Option(min=1, help="Subscribers following the trainer.")] = 2,
+    json_out: JsonOpt = False,
 ) -> None:
-    """Publish AdamW versions of a synthetic model and sync a subscriber, bit-exact."""
+    """Run the main job: publish AdamW versions, K receivers follow, all checked bit-exact."""
     from deltastore.demo import run_demo
-    from deltastore.synthetic import SMALL, TINY
+    from deltastore.synthetic import SIZES
 
-    config = TINY if size is Size.tiny else SMALL
-    if not run_demo(store, config=config, versions=versions):
-        raise typer.Exit(1)
+    config = SIZES[size.value]
+    table = Table()
+    for col in (
+        "version",
+        "kind",
+        "changed",
+        "payload",
+        "of dense",
+        "publish s",
+        "sync s",
+        "exact",
+    ):
+        table.add_column(col, justify="right")
+    quiet = settings(ctx).quiet or json_out
+    if not quiet:
+        err_console.print(
+            f"deltastore demo: {config.numel() / 1e6:.1f}M bf16 elements, {versions} versions, "
+            f"{receivers} receivers"
+        )
+
+    def on_row(row: Any) -> None:
+        if not quiet:
+            err_console.print(f"  v{row.version} {row.kind}: published and synced", highlight=False)
+
+    with handle_errors(ctx):
+        result = run_demo(
+            store, config=config, versions=versions, receivers=receivers, on_row=on_row
+        )
+    if json_out:
+        print_json(
+            {
+                "store": result.store,
+                "elements": result.elements,
+                "rows": [dataclasses.asdict(r) for r in result.rows],
+                "exact_by_receiver": result.exact_by_receiver,
+                "ok": result.ok,
+            }
+        )
+    else:
+        for r in result.rows:
+            table.add_row(
+                str(r.version),
+                r.kind,
+                f"{100 * r.changed_fraction:.2f}%",
+                human_bytes(r.payload_bytes),
+                f"{100 * r.payload_bytes / r.dense_bytes:.2f}%",
+                f"{r.publish_s:.2f}",
+                f"{r.sync_s:.2f}",
+                "yes" if all(r.exact) else "NO",
+            )
+        out_console.print(f"store: {result.store}", highlight=False)
+        out_console.print(table)
+        for i, ok in enumerate(result.exact_by_receiver):
+            verdict = "bit-exact at every version" if ok else "MISMATCH"
+            out_console.print(f"receiver {i + 1}: {verdict}", highlight=False)
+        out_console.print(
+            "all receivers bit-exact" if result.ok else "MISMATCH: some receiver differs",
+            highlight=False,
+        )
+    if not result.ok:
+        raise typer.Exit(EXIT_MISMATCH)
 
 
 def main() -> None:
