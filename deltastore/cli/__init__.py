@@ -295,7 +295,9 @@ def demo(
         str | None,
         typer.Option(help="Store [default: ./deltastore-demo, emptied first]."),
     ] = None,
-    size: Annotated[Size, typer.Option(help="Synthetic model size.")] = Size.small,
+    size: Annotated[
+        Size, typer.Option(case_sensitive=False, help="Synthetic model size.")
+    ] = Size.small,
     versions: Annotated[int, typer.Option(min=2, help="Versions to publish.")] = 5,
     receivers: Annotated[int, typer.Option(min=1, help="Subscribers following the trainer.")] = 2,
     json_out: JsonOpt = False,
