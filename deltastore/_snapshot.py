@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from deltastore.checksum import adler32
 from deltastore.dtypes import itemsize, word_dtype
 
 STATE_FORMAT = 1
@@ -150,6 +151,8 @@ class DiskSnapshot(MemorySnapshot):
                 if start + count * size > data.size:
                     return None
                 words = data[start : start + count * size].view(word_dtype(size))
+                if adler32(words) != int(t["adler32"]):  # a damaged snapshot would poison deltas
+                    return None
                 tensors[name] = TensorState(
                     t["dtype"], list(t["shape"]), words, list(t["frame_adler32"]), int(t["adler32"])
                 )

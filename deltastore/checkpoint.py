@@ -183,6 +183,12 @@ def create_checkpoint(
     ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``. Tensors are
     ordered by element size (largest first), then name, so every tensor is aligned.
     """
+    unsupported = sorted({dtype for dtype, _ in table.values() if dtype not in _ST_CODES})
+    if unsupported:
+        raise CheckpointError(
+            f"safetensors cannot store dtypes {unsupported}; pull this store with the Python API "
+            "(Subscriber) instead of into a checkpoint folder"
+        )
     folder = Path(dest)
     folder.mkdir(parents=True, exist_ok=True)
     order = sorted(table, key=lambda n: (-DTYPES[table[n][0]].itemsize, n))

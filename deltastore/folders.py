@@ -189,12 +189,16 @@ class FolderSync:
             raise ManifestNotFoundError(f"store {probe.store.url} holds no committed version yet")
         m = probe.manifest(target)
         existed = self.dest.exists()
-        ckpt = MappedCheckpoint(
-            create_checkpoint(
-                self.dest, {n: (e.dtype, tuple(e.shape)) for n, e in m.tensors.items()}
-            ),
-            writable=True,
-        )
+        try:
+            ckpt = MappedCheckpoint(
+                create_checkpoint(
+                    self.dest, {n: (e.dtype, tuple(e.shape)) for n, e in m.tensors.items()}
+                ),
+                writable=True,
+            )
+        except BaseException:
+            self._remove_created(existed)
+            raise
         sub = Subscriber(
             self._url, storage_options=self._opts, tensors=ckpt.tensors, **self._sub_opts
         )
@@ -204,17 +208,23 @@ class FolderSync:
             _write_state(self.dest, applied)
 
         try:
-            report = sub.sync(target, progress=progress, on_version=record)
+            return sub.sync(target, progress=progress, on_version=record)
         except BaseException:
-            if read_state(self.dest) is None:  # nothing usable was written: leave no debris
-                if existed:
-                    for child in self.dest.iterdir():
-                        child.unlink()
-                else:
-                    shutil.rmtree(self.dest, ignore_errors=True)
+            if read_state(self.dest) is None:
+                self._remove_created(existed)  # nothing usable was written: leave no debris
             raise
-        self._ckpt, self._sub = ckpt, sub
-        return report
+        finally:
+            if read_state(self.dest) is not None:  # at least one version was recorded
+                self._ckpt, self._sub = ckpt, sub
+
+    def _remove_created(self, existed: bool) -> None:
+        if not self.dest.exists():
+            return
+        if existed:
+            for child in self.dest.iterdir():
+                child.unlink()
+        else:
+            shutil.rmtree(self.dest, ignore_errors=True)
 
 
 def pull_checkpoint(

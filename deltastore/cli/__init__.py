@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from deltastore._version import __version__
 from deltastore.cli._common import (
@@ -181,7 +182,8 @@ def pull(
             raise typer.BadParameter("--watch follows the newest version; drop --version")
         stop = threading.Event()  # Ctrl-C / SIGTERM: finish the version in flight, then stop
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            # set from another thread: the handler may interrupt code holding the Event's lock
+            signal.signal(sig, lambda *_: threading.Thread(target=stop.set).start())
         with handle_errors(ctx):
             watch_checkpoint(
                 store,
@@ -277,7 +279,7 @@ def show(
         for name, e in m.tensors.items():
             codecs = sorted({f.codec for f in e.frames})
             table.add_row(
-                name,
+                Text(name),
                 e.dtype,
                 "x".join(map(str, e.shape)) or "scalar",
                 str(e.changed),
@@ -356,7 +358,7 @@ def demo(
                 f"{r.sync_s:.2f}",
                 "yes" if all(r.exact) else "NO",
             )
-        out_console.print(f"store: {result.store}", highlight=False)
+        out_console.print(Text(f"store: {result.store}"), highlight=False)
         out_console.print(table)
         for i, ok in enumerate(result.exact_by_receiver):
             verdict = "bit-exact at every version" if ok else "MISMATCH"

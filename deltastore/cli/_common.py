@@ -21,6 +21,7 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+from rich.text import Text
 
 from deltastore.errors import (
     ChainError,
@@ -108,16 +109,11 @@ def handle_errors(ctx: typer.Context) -> Iterator[None]:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    except DeltastoreError as exc:
+    except (DeltastoreError, OSError, ValueError) as exc:
         if verbose:
             err_console.print_exception()
-        err_console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
+        err_console.print(Text.assemble(("error:", "red"), " ", str(exc)), highlight=False)
         raise typer.Exit(exit_code(exc)) from None
-    except (OSError, ValueError) as exc:
-        if verbose:
-            err_console.print_exception()
-        err_console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
-        raise typer.Exit(EXIT_ERROR) from None
 
 
 def parse_storage_options(items: list[str] | None) -> dict[str, Any] | None:
