@@ -34,7 +34,7 @@ from deltastore.checkpoint import (
     create_checkpoint,
     locate,
 )
-from deltastore.errors import ManifestNotFoundError, StoreError
+from deltastore.errors import ManifestNotFoundError, ObjectNotFoundError, StoreError
 from deltastore.manifest import Manifest
 from deltastore.progress import ProgressFn
 from deltastore.publisher import Publisher, PublishReport
@@ -269,11 +269,10 @@ def watch_checkpoint(
                     on_report(report)
             delay = interval
         except StoreError as exc:
-            if isinstance(exc, ManifestNotFoundError) and folder.version is None:
-                pass  # nothing published yet: keep waiting
-            else:
-                delay = min(max_interval, delay * 2)
-                log.warning("store error, retrying in %.1f s: %s", delay, exc)
+            if isinstance(exc, ObjectNotFoundError) and not isinstance(exc, ManifestNotFoundError):
+                raise  # a committed version lost a data object: retrying cannot help
+            delay = min(max_interval, delay * 2)
+            log.warning("store error, retrying in %.1f s: %s", delay, exc)
         stop.wait(delay * random.uniform(0.8, 1.2))
 
 

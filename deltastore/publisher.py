@@ -386,9 +386,18 @@ class Publisher:
         self.store.put_if_absent(manifest_key(version), body)
         self._advance_latest(version, body)
         pending.upload_s += time.perf_counter() - t0
-        self._commit_state(host, pending, incremental=parent_state is not None)
-        self._version, self._digest = version, manifest.state_digest
-        self._save()
+        try:
+            self._commit_state(host, pending, incremental=parent_state is not None)
+            self._version, self._digest = version, manifest.state_digest
+            self._save()
+        except OSError as exc:  # committed all the same: only the parent for next time is lost
+            log.warning(
+                "version %d is committed, but the publisher state could not be saved (%s); "
+                "the next publish needs attach() (CLI: --parent) or an anchor",
+                version,
+                exc,
+            )
+            self._state, self._version, self._digest = None, version, manifest.state_digest
         report = PublishReport(
             version=version,
             kind=kind,

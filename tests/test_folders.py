@@ -689,3 +689,41 @@ def test_progress_of_publish_and_pull_checkpoint(
         sync = pull_checkpoint(str(store), dest, version=target, progress=got.append)
         assert_progress(got, sync.frames, sync.payload_bytes)
         assert_bit_exact(states[target - 1], load_folder(dest))
+
+
+def test_watch_stops_on_a_lost_data_object(store: Path, tmp_path: Path) -> None:
+    (next((store / "versions" / f"{1:020d}").glob("*.dsz"))).unlink()
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            watch_checkpoint(store, tmp_path / "dest", interval=0.05, max_interval=0.1)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "watch kept retrying a permanently missing object"
+    assert len(outcome) == 1 and isinstance(outcome[0], ObjectNotFoundError)
+
+
+def test_publish_that_cannot_save_its_state_still_reports_the_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, states: list[Tensors]
+) -> None:
+    from deltastore._snapshot import DiskSnapshot
+
+    pub = Publisher(tmp_path / "store", snapshot="disk", state_dir=tmp_path / "state")
+    pub.publish(states[0], version=1)
+
+    def broken(self: DiskSnapshot, state: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(DiskSnapshot, "commit", broken)
+    report = pub.publish(states[1], version=2)  # committed: no exception
+    assert report.kind == "delta" and pub.version == 2
+    assert Subscriber(tmp_path / "store").latest() == 2
+    monkeypatch.undo()
+    restarted = Publisher(tmp_path / "store", snapshot="disk", state_dir=tmp_path / "state")
+    assert restarted.version is None  # the dirty state is not trusted
+    assert restarted.publish(states[2], version=3).kind == "anchor"

@@ -102,7 +102,8 @@ def publish(
     state_dir: Annotated[
         Path | None,
         typer.Option(
-            help="Publisher state folder [default: ~/.cache/deltastore/publisher/<store>]."
+            help="Publisher state folder.",
+            show_default="$XDG_CACHE_HOME or ~/.cache, /deltastore/publisher/<store hash>",
         ),
     ] = None,
     max_frame_bytes: Annotated[int, typer.Option(help="Dense bytes per frame.")] = 16 << 20,
@@ -161,7 +162,8 @@ def pull(
     store: StoreArg,
     dest: Annotated[Path, typer.Argument(help="Checkpoint folder to create or update in place.")],
     version: Annotated[
-        int | None, typer.Option("--version", min=0, help="Version [default: newest].")
+        int | None,
+        typer.Option("--version", min=0, help="Version.", show_default="newest"),
     ] = None,
     watch: Annotated[
         bool, typer.Option("--watch", help="Keep polling and apply each new version.")
@@ -295,7 +297,7 @@ def demo(
     ctx: typer.Context,
     store: Annotated[
         str | None,
-        typer.Option(help="Store [default: ./deltastore-demo, emptied first]."),
+        typer.Option(help="Store.", show_default="./deltastore-demo, emptied first"),
     ] = None,
     size: Annotated[
         Size, typer.Option(case_sensitive=False, help="Synthetic model size.")
