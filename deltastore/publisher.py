@@ -336,6 +336,7 @@ class Publisher:
         """
         t_start = time.perf_counter()
         self._check_version(version, anchor=bool(anchor))
+        self.store.check_conditional_writes()  # before any upload: refuse unsafe commits
         table = _table(tensors)
         state = self._state
         same_table = state is not None and table == {

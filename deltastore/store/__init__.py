@@ -27,9 +27,13 @@ def open_store(
                 f"a local store takes no storage options (got {sorted(storage_options)})"
             )
         return LocalStore(rest if sep else url)
+    if scheme in ("s3", "s3a"):
+        from deltastore.store.s3 import S3Store
+
+        return S3Store(url, storage_options)
     raise StoreError(
-        f"store URL scheme {scheme!r} is not supported by this deltastore version; "
-        "use a local folder path or file:// URL"
+        f"store URL scheme {scheme!r} is not supported; use a local folder, file://, s3://, "
+        "gs:// or az://"
     )
 
 

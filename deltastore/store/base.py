@@ -72,6 +72,11 @@ class Store(ABC):
     def delete(self, key: str) -> None:
         """Remove an object; :class:`ObjectNotFoundError` when missing."""
 
+    def check_conditional_writes(self) -> bool:
+        """Whether :meth:`put_if_absent` is enforced by the backend; a backend that may
+        ignore it probes once and raises :class:`StoreError` when commits would be unsafe."""
+        return True
+
     def exists(self, key: str) -> bool:
         """Whether ``key`` holds an object."""
         return self.get_with_token(key) is not None
