@@ -14,6 +14,8 @@ never in between.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import threading
 import time
@@ -43,17 +45,20 @@ from deltastore.errors import (
     WrongParentError,
 )
 from deltastore.manifest import (
+    LATEST_KEY,
     MANIFEST_PREFIX,
     Frame,
     Manifest,
     TensorEntry,
     manifest_key,
+    parse_latest,
     parse_manifest,
     version_of_key,
 )
 from deltastore.progress import ProgressFn, Ticker
 from deltastore.store import Store, open_store
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -176,6 +181,8 @@ class Subscriber:
         self._max_frame_bytes = max_frame_bytes
         self._local = threading.local()
         self._manifests: OrderedDict[int, Manifest] = OrderedDict()
+        self._seen: int | None = None  # newest committed version seen by latest()
+        self._hint: tuple[str | None, int | None] = (None, None)  # LATEST (token, version)
 
     @property
     def tensors(self) -> MutableMapping[str, torch.Tensor] | None:
@@ -195,9 +202,40 @@ class Subscriber:
         return sorted(v for k in keys if (v := version_of_key(k)) is not None)
 
     def latest(self) -> int | None:
-        """Newest committed version, or None when the store has none."""
-        versions = self.versions()
-        return versions[-1] if versions else None
+        """Newest committed version, or None when the store has none.
+
+        A poll is cheap: a HEAD of ``LATEST`` (re-read only when its token changed; its
+        manifest must exist with the SHA-256 it names, else the hint is ignored), then a
+        listing of ``manifests/`` after the newest version known, since ``LATEST`` is only a
+        hint and a committed manifest may be newer than it.
+        """
+        floor = max((v for v in (self._latest_hint(), self._seen) if v is not None), default=None)
+        keys = (
+            self.store.list(MANIFEST_PREFIX)
+            if floor is None
+            else self.store.list_after(MANIFEST_PREFIX, manifest_key(floor))
+        )
+        newer = [v for k in keys if (v := version_of_key(k)) is not None]
+        self._seen = max(newer, default=floor)
+        return self._seen
+
+    def _latest_hint(self) -> int | None:
+        try:
+            token = self.store.head_token(LATEST_KEY)
+            if token is None:
+                return None
+            if token == self._hint[0]:
+                return self._hint[1]
+            hint = parse_latest(self.store.get(LATEST_KEY))
+            body = self.store.get(manifest_key(hint.version))
+        except DeltastoreError as exc:
+            log.info("LATEST hint unusable (%s); listing manifests", exc)
+            return None
+        if hashlib.sha256(body).hexdigest() != hint.sha256:
+            log.warning("LATEST names version %d with another SHA-256; ignored", hint.version)
+            return None
+        self._hint = (token, hint.version)
+        return hint.version
 
     def manifest(self, version: int) -> Manifest:
         """The parsed, validated manifest of ``version`` (cached; manifests are immutable)."""

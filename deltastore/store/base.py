@@ -12,6 +12,7 @@ several threads at once.
 
 from __future__ import annotations
 
+import builtins
 import re
 from abc import ABC, abstractmethod
 
@@ -71,6 +72,16 @@ class Store(ABC):
     @abstractmethod
     def delete(self, key: str) -> None:
         """Remove an object; :class:`ObjectNotFoundError` when missing."""
+
+    def list_after(self, prefix: str, start_after: str) -> builtins.list[str]:
+        """Sorted keys under ``prefix`` that sort after ``start_after`` (cheap polling)."""
+        return [k for k in self.list(prefix) if k > start_after]
+
+    def head_token(self, key: str) -> str | None:
+        """Change token of ``key`` (as :meth:`get_with_token` gives) or None when missing;
+        backends answer from metadata without reading the object."""
+        current = self.get_with_token(key)
+        return current[1] if current is not None else None
 
     def check_conditional_writes(self) -> bool:
         """Whether :meth:`put_if_absent` is enforced by the backend; a backend that may

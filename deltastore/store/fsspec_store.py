@@ -191,7 +191,22 @@ class FsspecStore(Store):
 
         self._call("delete", key, rm)
 
+    def head_token(self, key: str) -> str | None:
+        path = self._path(key)
+        try:
+            info = self._call("head", key, lambda: self.fs.info(path, refresh=True))
+        except ObjectNotFoundError:
+            return None
+        return self._token_of(info)
+
     # --- backend hooks ------------------------------------------------------------------
+
+    def _token_of(self, info: dict[str, Any]) -> str:
+        """The change token in a ``fs.info`` result (ETag, generation)."""
+        for field in ("ETag", "etag", "generation"):
+            if info.get(field):
+                return str(info[field])
+        raise StoreError(f"store {self.url} reports no ETag or generation")
 
     def _create(self, path: str, data: bytes) -> None:
         """Atomic create-if-absent; :class:`VersionExistsError` when the object exists."""

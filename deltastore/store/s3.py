@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from functools import partial
 from typing import Any
 
 from deltastore.errors import PreconditionFailedError, StoreError, VersionExistsError
@@ -30,7 +31,8 @@ _TRANSIENT_STATUS = {409, 429, 500, 502, 503, 504}
 
 
 def _client_error(exc: BaseException) -> tuple[str, int] | None:
-    """(error code, HTTP status) of the botocore ClientError behind an s3fs error."""
+    """(error code, HTTP status) of the botocore ClientError behind an s3fs error (followed
+    through ``__cause__`` only: an unrelated error being handled is not a cause)."""
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
@@ -40,7 +42,7 @@ def _client_error(exc: BaseException) -> tuple[str, int] | None:
             err = response.get("Error", {})
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             return str(err.get("Code", "")), int(status or 0)
-        cur = cur.__cause__ or cur.__context__
+        cur = cur.__cause__
     return None
 
 
@@ -111,6 +113,28 @@ class S3Store(FsspecStore):
                     f"{path} in store {self.url} changed since it was read; read it again"
                 ) from None
             raise
+
+    def list_after(self, prefix: str, start_after: str) -> list[str]:
+        """``ListObjectsV2`` with ``StartAfter``: a poll costs one request, not a full listing."""
+        bucket, _, root = self.root.partition("/")
+        base = f"{root}/" if root else ""
+        keys: list[str] = []
+        token: str | None = None
+        while True:
+            args: dict[str, Any] = {
+                "Bucket": bucket,
+                "Prefix": base + prefix,
+                "StartAfter": base + start_after,
+            }
+            if token:
+                args["ContinuationToken"] = token
+            page: dict[str, Any] = self._call(
+                "list", prefix, partial(self.fs.call_s3, "list_objects_v2", **args)
+            )
+            keys += [o["Key"][len(base) :] for o in page.get("Contents", [])]
+            token = page.get("NextContinuationToken")
+            if not token:
+                return sorted(k for k in keys if not any(s.startswith(".") for s in k.split("/")))
 
     def check_conditional_writes(self) -> bool:
         """Probe once whether the service enforces ``If-None-Match`` (True) or ignores it."""
