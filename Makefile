@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 TORCH := torch==2.13.0
+AZURITE := azurite@3.37.0
 # Optional: an index for torch only, e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
 
@@ -13,6 +14,11 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,s3,gcs,azure]'
+	@# Azurite (Azure Blob emulator, Node.js) for tests/test_store_azure.py; optional: the tests skip without it
+	@if command -v npm >/dev/null 2>&1; then \
+	  npm install --prefix .azurite --no-audit --no-fund --loglevel=error $(AZURITE) >/dev/null || \
+	    echo "note: npm install $(AZURITE) failed; the Azure store tests will skip"; \
+	else echo "note: npm not found; the Azure store tests will skip (they need $(AZURITE))"; fi
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -30,4 +36,4 @@ schema: $(STAMP)
 	$(BIN)/python -m deltastore.schema --write manifests/schema/manifest.v1.schema.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .azurite .pytest_cache .mypy_cache .ruff_cache .hypothesis

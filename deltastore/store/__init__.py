@@ -31,6 +31,14 @@ def open_store(
         from deltastore.store.s3 import S3Store
 
         return S3Store(url, storage_options)
+    if scheme in ("az", "abfs", "abfss"):
+        from deltastore.store.azure import AzureStore
+
+        return AzureStore(url, storage_options)
+    if scheme in ("gs", "gcs"):
+        from deltastore.store.gcs import GCSStore
+
+        return GCSStore(url, storage_options)
     raise StoreError(
         f"store URL scheme {scheme!r} is not supported; use a local folder, file://, s3://, "
         "gs:// or az://"

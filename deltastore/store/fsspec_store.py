@@ -124,18 +124,21 @@ class FsspecStore(Store):
         path = self._path(key)
         self._call("put", key, lambda: self.fs.pipe_file(path, data))
 
-    def put_if_absent(self, key: str, data: bytes) -> None:
-        """Create-if-absent with ambiguity resolution: if an attempt failed after it may have
-        reached the service and a retry then finds the object, the object is read back; if it
-        holds exactly ``data`` this writer won (as Delta Lake's S3 writer does)."""
-        path = self._path(key)
+    def _conditional(
+        self, op: str, key: str, data: bytes, write: Callable[[], None], lost: type[Exception]
+    ) -> None:
+        """Run a conditional write with ambiguity resolution: if an attempt failed after it
+        may have reached the service and a retry then fails its precondition (``lost``), the
+        object is read back; if it holds exactly ``data`` this writer won (as Delta Lake's S3
+        writer does). Manifests carry the writer's random token, so no two writers write the
+        same bytes."""
         ambiguous = False
 
         def attempt() -> None:
             nonlocal ambiguous
             try:
-                self._create(path, data)
-            except VersionExistsError:
+                write()
+            except lost:
                 if ambiguous and self.get(key) == data:
                     return
                 raise
@@ -143,7 +146,13 @@ class FsspecStore(Store):
                 ambiguous = ambiguous or self.transient(exc)
                 raise
 
-        self._call("put_if_absent", key, attempt)
+        self._call(op, key, attempt)
+
+    def put_if_absent(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        self._conditional(
+            "put_if_absent", key, data, lambda: self._create(path, data), VersionExistsError
+        )
 
     def get_with_token(self, key: str) -> tuple[bytes, str] | None:
         try:
@@ -152,14 +161,20 @@ class FsspecStore(Store):
             return None
 
     def put_if_match(self, key: str, data: bytes, token: str | None) -> None:
-        path = self._path(key)
         if token is None:
             try:
-                self._call("put_if_match", key, lambda: self._create(path, data))
+                self.put_if_absent(key, data)
             except VersionExistsError:
                 raise PreconditionFailedError(f"{key} exists in store {self.url}") from None
             return
-        self._call("put_if_match", key, lambda: self._replace_if(path, data, token))
+        path = self._path(key)
+        self._conditional(
+            "put_if_match",
+            key,
+            data,
+            lambda: self._replace_if(path, data, token),
+            PreconditionFailedError,
+        )
 
     def list(self, prefix: str = "") -> list[str]:
         if prefix:
