@@ -271,3 +271,48 @@ def test_permanent_403_fails_fast(s3_endpoint: str, states: list[dict[str, torch
         store.get("manifests/00000000000000000001.json")
     assert "manifests/00000000000000000001.json" in str(info.value)
     assert flaky.calls == 1  # not retried
+
+
+def test_slow_publisher_losing_the_latest_cas_does_not_move_it_back(
+    s3_endpoint: str, states: list[dict[str, torch.Tensor]]
+) -> None:
+    """The slow writer reads LATEST at v1, the fast one advances it to v3, the slow writer's
+    If-Match then fails (412) and its retry sees v3 and leaves it."""
+    from deltastore.errors import PreconditionFailedError
+
+    shared = s3(s3_endpoint)
+    fast = Publisher(shared)
+    fast.publish(states[0], version=1)
+    slow_store = s3(s3_endpoint)
+    slow_store.root = shared.root  # type: ignore[attr-defined]
+    slow = Publisher(slow_store)
+    real = slow_store.put_if_match
+    outcomes: list[str] = []
+
+    def racing_put_if_match(key: str, data: bytes, token: str | None) -> None:
+        if not outcomes:  # first attempt: the fast publisher commits v3 in between
+            fast.publish(states[1], version=3)
+        try:
+            real(key, data, token)
+            outcomes.append("wrote")
+        except PreconditionFailedError:
+            outcomes.append("lost")
+            raise
+
+    slow_store.put_if_match = racing_put_if_match  # type: ignore[method-assign]
+    slow._advance_latest(2, shared.get(manifest_key(1)))
+    assert outcomes == ["lost"]  # the retry read v3 and did not write
+    assert parse_latest(shared.get(LATEST_KEY)).version == 3
+
+
+def test_zero_byte_exclusive_create_does_not_overwrite(s3_endpoint: str) -> None:
+    from deltastore.errors import VersionExistsError
+
+    store = s3(s3_endpoint)
+    store.put_if_absent("manifests/empty", b"")
+    with pytest.raises(VersionExistsError):
+        store.put_if_absent("manifests/empty", b"")
+    store.put_if_absent("manifests/full", b"data")
+    with pytest.raises(VersionExistsError):
+        store.put_if_absent("manifests/full", b"")
+    assert store.get("manifests/full") == b"data"
