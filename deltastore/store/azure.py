@@ -31,9 +31,7 @@ from any thread, is submitted to that loop and waited for.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
-import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -113,7 +111,6 @@ class AzureStore(FsspecStore):
         )
         _disable_sdk_retries(fs)
         super().__init__(url, fs, root, retry=retry)
-        self._probed: bool | None = None
 
     # --- plumbing -----------------------------------------------------------------------
 
@@ -216,23 +213,3 @@ class AzureStore(FsspecStore):
             raise PreconditionFailedError(
                 f"{path} in store {self.url} changed since it was read; read it again"
             ) from None
-
-    def check_conditional_writes(self) -> bool:
-        """Probe once that the service enforces ``If-None-Match`` (Azure and Azurite do)."""
-        if self._probed is None:
-            key = f"_probe/{uuid.uuid4().hex}"
-            self.put_if_absent(key, b"1")
-            try:
-                self.put_if_absent(key, b"2")
-                self._probed = False
-            except VersionExistsError:
-                self._probed = True
-            finally:
-                with contextlib.suppress(StoreError):
-                    self.delete(key)
-        if not self._probed:
-            raise StoreError(
-                f"store {self.url} ignores If-None-Match: two writers could both commit a "
-                "version; use Azure Blob Storage or an emulator that enforces conditional writes"
-            )
-        return True

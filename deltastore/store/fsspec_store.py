@@ -11,10 +11,12 @@ Thread-safe: fsspec async filesystems may be called from several threads.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -65,11 +67,16 @@ class RetryPolicy:
 class FsspecStore(Store):
     """A :class:`Store` over an fsspec filesystem rooted at ``root`` (``bucket/prefix``)."""
 
+    #: The precondition create-if-absent relies on, named in messages.
+    precondition = "If-None-Match"
+
     def __init__(self, url: str, fs: Any, root: str, *, retry: RetryPolicy | None = None) -> None:
         self.url = url
         self.fs = fs
         self.root = root.rstrip("/")
         self.retry = retry or RetryPolicy()
+        self.unsafe_commits = False
+        self._probed: bool | None = None
 
     # --- plumbing -----------------------------------------------------------------------
 
@@ -213,6 +220,31 @@ class FsspecStore(Store):
         except ObjectNotFoundError:
             return None
         return self._token_of(info)
+
+    def check_conditional_writes(self) -> bool:
+        """Probe once (create a probe key twice) whether the service enforces create-if-absent.
+
+        True when it does. When it ignores the precondition, raise :class:`StoreError` unless
+        :attr:`unsafe_commits` (then False: only one publisher may use the store).
+        """
+        if self._probed is None:
+            key = f"_probe/{uuid.uuid4().hex}"
+            self.put_if_absent(key, b"1")
+            try:
+                self.put_if_absent(key, b"2")
+                self._probed = False
+            except VersionExistsError:
+                self._probed = True
+            finally:
+                with contextlib.suppress(StoreError):
+                    self.delete(key)
+        if not self._probed and not self.unsafe_commits:
+            raise StoreError(
+                f"store {self.url} ignores {self.precondition} preconditions: two writers could "
+                "both commit a version. Use a service that enforces them, or (S3, GCS) pass "
+                "unsafe_commits=True (one publisher only) to accept the risk"
+            )
+        return self._probed
 
     # --- backend hooks ------------------------------------------------------------------
 

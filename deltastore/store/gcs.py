@@ -30,10 +30,8 @@ Thread-safe: gcsfs runs requests on fsspec's event-loop thread; any thread may c
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import types
-import uuid
 from functools import partial
 from typing import Any
 from urllib.parse import quote
@@ -54,6 +52,8 @@ SINGLE_REQUEST_MAX = 50 * 2**20
 class GCSStore(FsspecStore):
     """Store at ``gs://bucket/prefix``. ``storage_options`` go to ``gcsfs.GCSFileSystem``
     (``project``, ``token``, ``endpoint_url``, ``requester_pays``, ``requests_timeout``...)."""
+
+    precondition = "ifGenerationMatch"
 
     def __init__(
         self,
@@ -80,7 +80,6 @@ class GCSStore(FsspecStore):
             fs._request = types.MethodType(single, fs)
         super().__init__(url, fs, root, retry=retry)
         self.unsafe_commits = unsafe_commits
-        self._probed: bool | None = None
         self._generation_header: bool | None = None  # does the service send x-goog-generation?
 
     # --- errors -------------------------------------------------------------------------
@@ -230,26 +229,3 @@ class GCSStore(FsspecStore):
                     and k.startswith(prefix)
                     and not any(s.startswith(".") for s in k.split("/"))
                 )
-
-    def check_conditional_writes(self) -> bool:
-        """Probe once whether the service enforces ``ifGenerationMatch`` (True) or ignores it,
-        as ``gcp-storage-emulator`` does (False, or :class:`StoreError` unless
-        ``unsafe_commits``)."""
-        if self._probed is None:
-            key = f"_probe/{uuid.uuid4().hex}"
-            self.put_if_absent(key, b"1")
-            try:
-                self.put_if_absent(key, b"2")
-                self._probed = False
-            except VersionExistsError:
-                self._probed = True
-            finally:
-                with contextlib.suppress(StoreError):
-                    self.delete(key)
-        if not self._probed and not self.unsafe_commits:
-            raise StoreError(
-                f"store {self.url} ignores ifGenerationMatch preconditions (gcp-storage-emulator "
-                "does): two writers could both commit a version. Use real GCS, or pass "
-                "unsafe_commits=True (one publisher only) to accept the risk"
-            )
-        return self._probed

@@ -9,8 +9,6 @@ failed the probe unless ``unsafe_commits=True`` was passed.
 
 from __future__ import annotations
 
-import contextlib
-import uuid
 from functools import partial
 from typing import Any
 
@@ -77,7 +75,6 @@ class S3Store(FsspecStore):
             raise StoreError(f"{url}: an S3 store URL names a bucket: s3://bucket[/prefix]")
         super().__init__(url, fs, root, retry=retry)
         self.unsafe_commits = unsafe_commits
-        self._probed: bool | None = None
 
     def transient(self, exc: BaseException) -> bool:
         info = _client_error(exc)
@@ -135,24 +132,3 @@ class S3Store(FsspecStore):
             token = page.get("NextContinuationToken")
             if not token:
                 return sorted(k for k in keys if not any(s.startswith(".") for s in k.split("/")))
-
-    def check_conditional_writes(self) -> bool:
-        """Probe once whether the service enforces ``If-None-Match`` (True) or ignores it."""
-        if self._probed is None:
-            key = f"_probe/{uuid.uuid4().hex}"
-            self.put_if_absent(key, b"1")
-            try:
-                self.put_if_absent(key, b"2")
-                self._probed = False
-            except VersionExistsError:
-                self._probed = True
-            finally:
-                with contextlib.suppress(StoreError):
-                    self.delete(key)
-        if not self._probed and not self.unsafe_commits:
-            raise StoreError(
-                f"store {self.url} ignores If-None-Match: two writers could both commit a "
-                "version. Use a service that enforces conditional writes, or pass "
-                "unsafe_commits=True (one publisher only) to accept the risk"
-            )
-        return self._probed
