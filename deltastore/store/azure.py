@@ -35,7 +35,12 @@ import re
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from deltastore.errors import PreconditionFailedError, StoreError, VersionExistsError
+from deltastore.errors import (
+    DeltastoreError,
+    PreconditionFailedError,
+    StoreError,
+    VersionExistsError,
+)
 from deltastore.store.fsspec_store import FsspecStore, RetryPolicy
 
 T = TypeVar("T")
@@ -49,7 +54,10 @@ _FILE_METADATA = {"is_directory": "false"}
 
 
 def _http_error(exc: BaseException) -> Any:
-    """The azure-core ``HttpResponseError`` behind ``exc`` (adlfs re-raises some), or None."""
+    """The azure-core ``HttpResponseError`` behind ``exc`` (adlfs re-raises some), or None.
+
+    The chain stops at deltastore's own errors: an error raised while one of those was being
+    handled (a read-back after a lost precondition) is not caused by the HTTP error below it."""
     from azure.core.exceptions import HttpResponseError
 
     seen: set[int] = set()
@@ -59,6 +67,8 @@ def _http_error(exc: BaseException) -> Any:
         if isinstance(cur, HttpResponseError):
             return cur
         cur = cur.__cause__ or cur.__context__
+        if isinstance(cur, DeltastoreError):
+            return None
     return None
 
 
@@ -137,6 +147,8 @@ class AzureStore(FsspecStore):
         )
 
         if isinstance(exc, ServiceRequestError | ServiceResponseError | IncompleteReadError):
+            return True
+        if isinstance(exc, ConnectionError | TimeoutError):
             return True
         if isinstance(exc, asyncio.TimeoutError):  # not TimeoutError before Python 3.11
             return True
