@@ -98,3 +98,28 @@ def test_permanent_errors_fail_fast(endpoint: str, bucket: str) -> None:
 def test_bucket_is_required() -> None:
     with pytest.raises(StoreError, match="bucket"):
         S3Store("s3://", CREDENTIALS)
+
+
+def test_large_objects_go_multipart_and_failed_exclusive_uploads_are_aborted(
+    endpoint: str, bucket: str
+) -> None:
+    """Above 2 x 50 MiB s3fs uploads in parts; an exclusive multipart upload that loses must
+    not leave its parts behind (they would be billed and never cleaned up)."""
+    import boto3
+
+    store = s3_store(endpoint, bucket)
+    data = bytes(range(256)) * ((101 << 20) // 256)
+    store.put("big/object", data)
+    assert store.get_range("big/object", 77 << 20, 1000) == data[77 << 20 : (77 << 20) + 1000]
+    store.put_if_absent("big/manifest", data)
+    with pytest.raises(VersionExistsError):
+        store.put_if_absent("big/manifest", data[::-1])
+    assert store.get_range("big/manifest", 0, 16) == data[:16]
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
