@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, MutableMapping
+from collections.abc import Callable, MutableMapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -29,7 +29,10 @@ import numpy as np
 import torch
 import xxhash
 
+from deltastore._pipeline import ByteBudget, Cancelled, Timer, raise_first
 from deltastore._tables import check_contents, check_table
+from deltastore._words import gather, gather_range, signed
+from deltastore._words import scatter as _scatter  # a module global: tests patch it
 from deltastore.checksum import adler32, apply_delta, combine, delta_sums, shift_to_outer
 from deltastore.codecs import RAW, XOR_SPARSE, FrameDecoder, compress_bound, sparse_bound
 from deltastore.dtypes import dtype_from_name, flat_words, itemsize, word_dtype
@@ -55,7 +58,7 @@ from deltastore.manifest import (
     parse_manifest,
     version_of_key,
 )
-from deltastore.progress import ProgressFn, Ticker
+from deltastore.progress import ProgressFn
 from deltastore.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -100,48 +103,6 @@ class _Staged:
     da: int
     db: int
     frame_adler: int
-
-
-class _Timer(Ticker):
-    """Seconds summed over worker threads: fetching, and all per-frame work (fetch included);
-    also counts finished frames for the progress callback."""
-
-    def __init__(self, fn: ProgressFn | None = None, frames: int = 0, nbytes: int = 0) -> None:
-        super().__init__(fn, frames, nbytes)
-        self.lock = threading.Lock()
-        self.fetch = 0.0
-        self.work = 0.0
-
-    def add(self, *, fetch: float = 0.0, work: float = 0.0) -> None:
-        with self.lock:
-            self.fetch += fetch
-            self.work += work
-
-    @property
-    def decode(self) -> float:
-        return max(0.0, self.work - self.fetch)
-
-
-class _Cancelled(DeltastoreError):
-    """A frame task skipped because an earlier one failed (never surfaces to callers)."""
-
-
-class _ByteBudget:
-    """Blocks the producer while more than ``limit`` bytes are in flight (one item always fits)."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit, self._used = limit, 0
-        self._cond = threading.Condition()
-
-    def acquire(self, n: int) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._used == 0 or self._used + n <= self._limit)
-            self._used += n
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self._used -= n
-            self._cond.notify_all()
 
 
 class Subscriber:
@@ -300,7 +261,7 @@ class Subscriber:
                 f"the tensors are at version {start}, newer than the requested {target}"
             )
         steps = self._plan(target)
-        timer = _Timer(
+        timer = Timer(
             progress,
             sum(len(t.frames) for m in steps for t in m.tensors.values()),
             sum(m.payload_bytes for m in steps),
@@ -364,7 +325,7 @@ class Subscriber:
         self._version, self._digest = m.version, m.state_digest
         self._adler = {n: e.adler32 for n, e in m.tensors.items()}
 
-    def _apply(self, m: Manifest, timer: _Timer) -> tuple[float, float]:
+    def _apply(self, m: Manifest, timer: Timer) -> tuple[float, float]:
         """Apply one version; return (verify seconds, pause seconds)."""
         self._check_frames(m)
         if self._tensors is None or self._version is None:
@@ -435,7 +396,7 @@ class Subscriber:
             dec = self._local.decoder = FrameDecoder()
         return dec
 
-    def _fetch(self, f: Frame, timer: _Timer) -> bytes:
+    def _fetch(self, f: Frame, timer: Timer) -> bytes:
         t0 = time.perf_counter()
         data = self.store.get_range(f.object, f.offset, f.length)
         t1 = time.perf_counter()
@@ -456,16 +417,16 @@ class Subscriber:
         self,
         tasks: list[tuple[str, TensorEntry, Frame]],
         work: Callable[[tuple[str, TensorEntry, Frame], FrameDecoder], R],
-        timer: _Timer,
+        timer: Timer,
     ) -> list[R]:
         """Run fetch+decode of every frame on the pool, bounded by in-flight bytes."""
-        budget = _ByteBudget(self._max_inflight)
+        budget = ByteBudget(self._max_inflight)
         failed = threading.Event()
 
         def run(task: tuple[str, TensorEntry, Frame]) -> R:
             try:
                 if failed.is_set():
-                    raise _Cancelled("skipped after an earlier frame failed")
+                    raise Cancelled("skipped after an earlier frame failed")
                 t0 = time.perf_counter()
                 out = work(task, self._decoder())
                 timer.add(work=time.perf_counter() - t0)
@@ -485,7 +446,7 @@ class Subscriber:
                 budget.acquire(task[2].length)
                 futures.append(pool.submit(run, task))
             wait(futures, return_when=FIRST_EXCEPTION)
-        _raise_first(futures)
+        raise_first(futures)
         return [f.result() for f in futures]
 
     def _stage(
@@ -494,7 +455,7 @@ class Subscriber:
         entry: TensorEntry,
         f: Frame,
         dec: FrameDecoder,
-        timer: _Timer,
+        timer: Timer,
         delta: bool,
     ) -> _Staged:
         """Fetch one frame and turn it into changes against the local tensor (reads only)."""
@@ -507,7 +468,7 @@ class Subscriber:
         wdt = word_dtype(size)
         if f.codec == XOR_SPARSE:
             pos, masks = dec.sparse(data, n, size, f.changed)
-            old = _gather(local, pos + f.start, wdt)
+            old = gather(local, pos + f.start, wdt)
             new = old ^ masks
             if f.parent_adler32 is None:
                 raise ManifestError(f"{name}: xor-sparse frame without parent_adler32")
@@ -517,7 +478,7 @@ class Subscriber:
             parts_pos, parts_old, parts_new = [], [], []
             frame_adler = 1
             for first, words in dec.chunks(data, n, size):
-                cur = _gather_range(local, f.start + first, words.size, wdt)
+                cur = gather_range(local, f.start + first, words.size, wdt)
                 if f.codec == RAW:
                     new_chunk, mask = words, words ^ cur
                 else:
@@ -558,7 +519,7 @@ class Subscriber:
                 _scatter(flat_words(self._tensors[s.name]), s.positions, s.old)
             raise
 
-    def _bootstrap(self, m: Manifest, timer: _Timer) -> float:
+    def _bootstrap(self, m: Manifest, timer: Timer) -> float:
         """Fill tensors from an anchor: into new tensors, or into handed-over buffers."""
         if m.kind != "anchor":  # pragma: no cover - _plan only starts fresh state at anchors
             raise ChainError(f"version {m.version} is not an anchor")
@@ -595,7 +556,7 @@ class Subscriber:
                     f"the manifest says {f.adler32:08x}"
                 )
             if dest.device.type != "cpu":
-                dest[f.start : f.stop].copy_(torch.from_numpy(out.view(_signed(size))))
+                dest[f.start : f.stop].copy_(torch.from_numpy(out.view(signed(size))))
             return got
 
         results = self._pipeline(tasks, fill, timer)
@@ -611,42 +572,6 @@ class Subscriber:
         self._tensors = target
         self._set_state(m)
         return time.perf_counter() - t0
-
-
-def _signed(size: int) -> np.dtype[Any]:
-    return np.dtype(f"<i{size}") if size > 1 else np.dtype(np.uint8)
-
-
-def _gather(local: torch.Tensor, positions: np.ndarray, wdt: np.dtype[Any]) -> np.ndarray:
-    if local.device.type == "cpu":
-        out: np.ndarray = local.numpy().view(wdt)[positions]
-        return out
-    idx = torch.from_numpy(positions).to(local.device)
-    return local.index_select(0, idx).cpu().numpy().view(wdt)
-
-
-def _gather_range(local: torch.Tensor, start: int, count: int, wdt: np.dtype[Any]) -> np.ndarray:
-    if local.device.type == "cpu":
-        out: np.ndarray = local.numpy().view(wdt)[start : start + count]
-        return out
-    return local[start : start + count].cpu().numpy().view(wdt)
-
-
-def _scatter(local: torch.Tensor, positions: np.ndarray, values: np.ndarray) -> None:
-    if local.device.type == "cpu":
-        local.numpy().view(values.dtype)[positions] = values
-        return
-    idx = torch.from_numpy(positions).to(local.device)
-    vals = torch.from_numpy(values.view(_signed(values.dtype.itemsize))).to(local.device)
-    local.index_copy_(0, idx, vals)
-
-
-def _raise_first(futures: Iterable[Future[Any]]) -> None:
-    """Re-raise the first real error among the futures (skipped tasks do not count)."""
-    for fut in futures:
-        exc = fut.exception()
-        if exc is not None and not isinstance(exc, _Cancelled):
-            raise exc
 
 
 __all__ = ["Subscriber", "SyncReport"]
