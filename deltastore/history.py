@@ -6,12 +6,13 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from deltastore._ratios import SizeRatios
 from deltastore.store import Store
 from deltastore.subscriber import Subscriber
 
 
 @dataclass(frozen=True)
-class VersionSummary:
+class VersionSummary(SizeRatios):
     """One committed version as ``deltastore log`` lists it. Sizes in bytes."""
 
     version: int
@@ -23,14 +24,6 @@ class VersionSummary:
     dense_bytes: int
     frames: int
     created: str
-
-    @property
-    def changed_fraction(self) -> float:
-        return self.changed_elements / self.total_elements if self.total_elements else 0.0
-
-    @property
-    def payload_ratio(self) -> float:
-        return self.payload_bytes / self.dense_bytes if self.dense_bytes else 0.0
 
     def to_json(self) -> dict[str, Any]:
         """Plain dict for ``--json`` output, with the derived ratios."""

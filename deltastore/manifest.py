@@ -20,6 +20,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from deltastore._ratios import SizeRatios
 from deltastore.codecs import Codec
 from deltastore.dtypes import _NAMES, itemsize
 from deltastore.errors import ManifestError, UnsupportedFormatError
@@ -148,7 +149,7 @@ class TensorEntry(_Model):
         return self
 
 
-class Manifest(_Model):
+class Manifest(_Model, SizeRatios):
     """A committed version. See ``docs/spec/format-v1.md`` for the normative rules."""
 
     format_version: Literal[1]

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import xxhash
 
+from deltastore._ratios import SizeRatios
 from deltastore._snapshot import (
     DiskSnapshot,
     MemorySnapshot,
@@ -79,7 +80,7 @@ MAX_FRAME_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
-class PublishReport:
+class PublishReport(SizeRatios):
     """What one :meth:`Publisher.publish` did. Times in seconds, sizes in bytes."""
 
     version: int
@@ -95,15 +96,6 @@ class PublishReport:
     encode_s: float
     upload_s: float
     total_s: float
-
-    @property
-    def changed_fraction(self) -> float:
-        return self.changed_elements / self.total_elements if self.total_elements else 0.0
-
-    @property
-    def payload_ratio(self) -> float:
-        """Payload bytes over dense bytes of the model in its own dtypes."""
-        return self.payload_bytes / self.dense_bytes if self.dense_bytes else 0.0
 
 
 @dataclass

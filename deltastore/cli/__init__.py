@@ -266,10 +266,8 @@ def show(
         f"state digest  {m.state_digest}",
         f"tensors       {len(m.tensors)} "
         f"({m.total_elements} elements, {human_bytes(m.dense_bytes)})",
-        f"changed       {m.changed_elements} "
-        f"({100 * m.changed_elements / max(1, m.total_elements):.3f}%)",
-        f"payload       {human_bytes(m.payload_bytes)} "
-        f"({100 * m.payload_bytes / max(1, m.dense_bytes):.2f}% of dense)",
+        f"changed       {m.changed_elements} ({100 * m.changed_fraction:.3f}%)",
+        f"payload       {human_bytes(m.payload_bytes)} ({100 * m.payload_ratio:.2f}% of dense)",
     ]
     out_console.print("\n".join(lines), highlight=False)
     if tensors:
