@@ -30,6 +30,7 @@ import torch
 import xxhash
 
 from deltastore._pipeline import ByteBudget, Cancelled, Timer, raise_first
+from deltastore._ratios import SizeRatios
 from deltastore._tables import check_contents, check_table
 from deltastore._words import gather, gather_range, signed
 from deltastore._words import scatter as _scatter  # a module global: tests patch it
@@ -67,7 +68,7 @@ R = TypeVar("R")
 
 
 @dataclass(frozen=True)
-class SyncReport:
+class SyncReport(SizeRatios):
     """What one :meth:`Subscriber.sync` did. Times in seconds, sizes in bytes.
 
     ``fetch_s`` and ``decode_s`` are summed over worker threads (they overlap in wall time);
@@ -195,6 +196,12 @@ class Subscriber:
         if hashlib.sha256(body).hexdigest() != hint.sha256:
             log.warning("LATEST names version %d with another SHA-256; ignored", hint.version)
             return None
+        if hint.version not in self._manifests:  # read anyway: spare sync() a second GET
+            try:
+                self._remember(hint.version, body)
+            except DeltastoreError as exc:
+                log.warning("LATEST names a damaged manifest (%s); ignored", exc)
+                return None
         self._hint = (token, hint.version)
         return hint.version
 
@@ -210,6 +217,11 @@ class Subscriber:
             raise ManifestNotFoundError(
                 f"version {version} is not committed in store {self.store.url}"
             ) from None
+        return self._remember(version, data)
+
+    def _remember(self, version: int, data: bytes) -> Manifest:
+        """Parse the manifest bytes of ``version`` and keep the result in the cache."""
+        key = manifest_key(version)
         m = parse_manifest(data, key=key)
         if m.version != version:
             raise ManifestError(f"{key} claims version {m.version}; the store is damaged")
