@@ -73,6 +73,14 @@ class TensorMismatchError(DeltastoreError, ValueError):
     """Local tensors do not match the manifest (names, dtype, shape, layout, checksum)."""
 
 
+class LayoutError(TensorMismatchError):
+    """A receiver layout does not fit the manifest's global tensors or the local tensors."""
+
+
+class RankError(DeltastoreError):
+    """Another rank of the process group failed this version; nothing was written here."""
+
+
 class VersionOrderError(DeltastoreError, ValueError):
     """A version number does not increase strictly along the chain."""
 
@@ -83,10 +91,12 @@ __all__ = [
     "FrameError",
     "IntegrityError",
     "InvalidKeyError",
+    "LayoutError",
     "ManifestError",
     "ManifestNotFoundError",
     "ObjectNotFoundError",
     "PreconditionFailedError",
+    "RankError",
     "StoreError",
     "TensorMismatchError",
     "UnsupportedFormatError",
