@@ -35,13 +35,18 @@ def combine(adler1: int, adler2: int, len2: int) -> int:
 
 
 def delta_sums(
-    positions: np.ndarray, old: np.ndarray, new: np.ndarray, n_bytes: int
+    positions: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    n_bytes: int,
+    weights: np.ndarray | None = None,
 ) -> tuple[int, int]:
     """Return ``(dA, dB)`` (mod 65521) for words changing from ``old`` to ``new``.
 
     ``positions`` are element indices (int64) of the changed words inside a buffer of
-    ``n_bytes`` bytes; ``old`` and ``new`` are same-length unsigned word arrays. Cost is
-    O(len(positions)).
+    ``n_bytes`` bytes; ``old`` and ``new`` are same-length unsigned word arrays. ``weights``
+    (int64, each in ``[0, 65521)``) multiplies each word's contribution (a receiver holding
+    ``k`` copies of an element weighs each by the inverse of ``k``). Cost is O(len(positions)).
     """
     if positions.size == 0:
         return 0, 0
@@ -51,17 +56,29 @@ def delta_sums(
     # Per word: d = sum_j d_j; byte j sits at p = e*size + j, so
     # sum_j (n - p) * d_j = (n - e*size) * d - sum_j j * d_j.
     d = np.zeros(positions.size, dtype=np.int64)
+    jd = np.zeros(positions.size, dtype=np.int64) if weights is not None else None
     j_weighted = 0
     for j in range(size):
         dj = nb[:, j].astype(np.int64)
         dj -= ob[:, j]
         d += dj
-        if j:
+        if j and jd is not None:
+            jd += j * dj
+        elif j:
             j_weighted += j * int(dj.sum())
+    if weights is not None and jd is not None:
+        d *= weights
+        d %= MOD
+        jd *= weights
+        j_weighted = int((jd % MOD).sum())
     weight = positions.astype(np.int64) * size
     np.subtract(n_bytes, weight, out=weight)
     weight %= MOD
     return int(d.sum()) % MOD, (int(np.dot(weight, d)) - j_weighted) % MOD
+
+
+#: ``INVERSE[k]``: the inverse of ``k`` modulo 65521 (k in 1..255), for weighting copies.
+INVERSE = np.array([0] + [pow(k, MOD - 2, MOD) for k in range(1, 256)], dtype=np.int64)
 
 
 def apply_delta(adler: int, da: int, db: int) -> int:

@@ -17,21 +17,20 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, MutableMapping
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import numpy as np
 import torch
-import xxhash
 
-from deltastore._pipeline import ByteBudget, Cancelled, Timer, raise_first
+from deltastore._group import Group
+from deltastore._layout_sync import LayoutSync
+from deltastore._pipeline import Fetcher, Timer
 from deltastore._ratios import SizeRatios
-from deltastore._tables import check_contents, check_table
+from deltastore._tables import check_contents, check_table, raise_if_mismatched
 from deltastore._words import gather, gather_range, signed
 from deltastore._words import scatter as _scatter  # a module global: tests patch it
 from deltastore.checksum import adler32, apply_delta, combine, delta_sums, shift_to_outer
@@ -48,6 +47,7 @@ from deltastore.errors import (
     TensorMismatchError,
     WrongParentError,
 )
+from deltastore.layout import Layout
 from deltastore.manifest import (
     LATEST_KEY,
     MANIFEST_PREFIX,
@@ -63,8 +63,6 @@ from deltastore.progress import ProgressFn
 from deltastore.store import Store, open_store
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -113,6 +111,16 @@ class Subscriber:
     manifest (Adler-32 of every tensor) before the first delta is applied. ``tensors`` alone:
     preallocated buffers of unknown content, filled from the newest anchor by the first sync.
     Neither: the first sync allocates tensors on ``device`` from the newest anchor.
+
+    ``layout``: the tensors are the engine's local tensors, holding boxes of the global ones as
+    the :class:`~deltastore.layout.Layout` says (TP shards, fused, stacked, renamed); changes
+    are applied in those coordinates and frames no box touches are not fetched. ``group``: a
+    ``torch.distributed`` process group of the engine's ranks (each with its own layout and
+    tensors); the ranks split the frames, exchange decoded changes, verify together and write
+    only when every rank verified. With a group, every rank calls :meth:`sync` and
+    :meth:`verify` together (they are collectives); the target of ``sync()`` is rank 0's.
+    ``pause`` / ``resume``: called around the write phase (e.g. to pause the engine's
+    generation); ``resume`` is called even when writing fails.
     """
 
     def __init__(
@@ -126,6 +134,10 @@ class Subscriber:
         max_workers: int = 4,
         max_inflight_bytes: int = 256 << 20,
         max_frame_bytes: int = 1 << 30,
+        layout: Layout | None = None,
+        group: Any | None = None,
+        pause: Callable[[], None] | None = None,
+        resume: Callable[[], None] | None = None,
     ) -> None:
         if version is not None and tensors is None:
             raise ValueError("version= needs tensors=: the tensors that are at that version")
@@ -138,10 +150,13 @@ class Subscriber:
         self._digest: str | None = None
         self._adler: dict[str, int] = {}
         self._device = torch.device(device)
-        self._max_workers = max_workers
-        self._max_inflight = max_inflight_bytes
         self._max_frame_bytes = max_frame_bytes
-        self._local = threading.local()
+        self._frames = Fetcher(self.store, max_workers, max_inflight_bytes)
+        self._group = Group(group)
+        self._hooks = (pause, resume)
+        self._layout = (
+            None if layout is None and group is None else LayoutSync(layout, self._group, _scatter)
+        )
         self._manifests: OrderedDict[int, Manifest] = OrderedDict()
         self._seen: int | None = None  # newest committed version seen by latest()
         self._hint: tuple[str | None, int | None] = (None, None)  # LATEST (token, version)
@@ -240,8 +255,12 @@ class Subscriber:
         if self._version is None or self._tensors is None:
             raise ChainError("nothing to verify: the tensors are at no known version; sync() first")
         m = self.manifest(self._version)
-        check_table(self._tensors, m, exact=False)
-        check_contents(self._tensors, m)
+        if self._layout is not None:
+            self._tensors = self._layout.bind(m, self._tensors, self._device)
+            raise_if_mismatched(self._layout.check(m, self._tensors), m)
+        else:
+            check_table(self._tensors, m, exact=False)
+            check_contents(self._tensors, m)
         self._set_state(m)
         self._verified = True
 
@@ -265,6 +284,9 @@ class Subscriber:
         if not self._verified:
             self.verify()
         target = self.latest() if version is None else version
+        if self._group.world > 1:  # every rank goes to rank 0's target
+            target = self._group.broadcast_int(-1 if target is None else target)
+            target = None if target < 0 else target
         if target is None:
             raise ManifestNotFoundError(f"store {self.store.url} holds no committed version yet")
         start = self._version
@@ -340,27 +362,16 @@ class Subscriber:
     def _apply(self, m: Manifest, timer: Timer) -> tuple[float, float]:
         """Apply one version; return (verify seconds, pause seconds)."""
         self._check_frames(m)
+        fresh = self._tensors is None or self._version is None
+        if self._layout is not None:
+            return self._apply_layout(m, timer, fresh or set(m.tensors) != set(self._adler))
         if self._tensors is None or self._version is None:
             return self._bootstrap(m, timer), 0.0
         check_table(self._tensors, m, exact=False)
-        if m.kind == "delta" and set(m.tensors) != set(self._adler):
-            raise ManifestError(
-                f"delta {m.version} names other tensors than its parent; a change of tensor "
-                "set needs an anchor: the store was written by a broken publisher"
-            )
-        if m.kind == "delta" and (
-            m.parent is None
-            or m.parent.state_digest != self._digest
-            or any(e.parent_adler32 != self._adler[n] for n, e in m.tensors.items())
-        ):
-            raise WrongParentError(
-                f"version {m.version} is a delta on version "
-                f"{m.parent.version if m.parent else None}, but the tensors are at "
-                f"{self._version} with another state; sync from an anchor instead"
-            )
+        self._check_parent(m)
         tasks = [(name, entry, f) for name, entry in m.tensors.items() for f in entry.frames]
         delta = m.kind == "delta"
-        staged = self._pipeline(tasks, lambda t, dec: self._stage(*t, dec, timer, delta), timer)
+        staged = self._frames.run(tasks, lambda t, dec: self._stage(*t, dec, timer, delta), timer)
         t0 = time.perf_counter()
         got: dict[str, int] = {}
         for st, (_, entry, f) in zip(staged, tasks, strict=True):
@@ -379,9 +390,51 @@ class Subscriber:
                     f"update, the manifest says {entry.adler32:08x}; nothing was written"
                 )
         t1 = time.perf_counter()
-        self._scatter(staged)
+        pause, resume = self._hooks
+        if pause is not None:
+            pause()
+        try:
+            self._scatter(staged)
+        finally:
+            if resume is not None:
+                resume()
         self._set_state(m)
         return t1 - t0, time.perf_counter() - t1
+
+    def _check_parent(self, m: Manifest) -> None:
+        """Raise unless the delta ``m`` applies to the local state (the current version)."""
+        if m.kind == "delta" and set(m.tensors) != set(self._adler):
+            raise ManifestError(
+                f"delta {m.version} names other tensors than its parent; a change of tensor "
+                "set needs an anchor: the store was written by a broken publisher"
+            )
+        if m.kind == "delta" and (
+            m.parent is None
+            or m.parent.state_digest != self._digest
+            or any(e.parent_adler32 != self._adler[n] for n, e in m.tensors.items())
+        ):
+            raise WrongParentError(
+                f"version {m.version} is a delta on version "
+                f"{m.parent.version if m.parent else None}, but the tensors are at "
+                f"{self._version} with another state; sync from an anchor instead"
+            )
+
+    def _apply_layout(self, m: Manifest, timer: Timer, fresh: bool) -> tuple[float, float]:
+        if self._layout is None:  # pragma: no cover - checked by the caller
+            raise ChainError("no layout")
+        if not fresh:
+            self._check_parent(m)
+        self._tensors = self._layout.bind(m, self._tensors, self._device)
+        try:
+            out = self._layout.apply(
+                self._frames, m, self._tensors, None if fresh else self._adler, timer, self._hooks
+            )
+        except BaseException:
+            if fresh:  # written in place before the check: no known version any more
+                self._version = self._digest = None
+            raise
+        self._set_state(m)
+        return out
 
     def _check_frames(self, m: Manifest) -> None:
         for name, entry in m.tensors.items():
@@ -402,65 +455,6 @@ class Subscriber:
 
     # --- pipeline -----------------------------------------------------------------------
 
-    def _decoder(self) -> FrameDecoder:
-        dec: FrameDecoder | None = getattr(self._local, "decoder", None)
-        if dec is None:
-            dec = self._local.decoder = FrameDecoder()
-        return dec
-
-    def _fetch(self, f: Frame, timer: Timer) -> bytes:
-        t0 = time.perf_counter()
-        data = self.store.get_range(f.object, f.offset, f.length)
-        t1 = time.perf_counter()
-        if len(data) != f.length:
-            raise FrameError(
-                f"{f.object}: frame at offset {f.offset} is truncated "
-                f"({len(data)} of {f.length} bytes)"
-            )
-        if xxhash.xxh3_64_hexdigest(data) != f.xxh3:
-            raise IntegrityError(
-                f"{f.object}: frame at offset {f.offset} is corrupted (xxh3 mismatch): the "
-                "stored object is damaged; wait for a newer anchor, or restore the object"
-            )
-        timer.add(fetch=t1 - t0)
-        return data
-
-    def _pipeline(
-        self,
-        tasks: list[tuple[str, TensorEntry, Frame]],
-        work: Callable[[tuple[str, TensorEntry, Frame], FrameDecoder], R],
-        timer: Timer,
-    ) -> list[R]:
-        """Run fetch+decode of every frame on the pool, bounded by in-flight bytes."""
-        budget = ByteBudget(self._max_inflight)
-        failed = threading.Event()
-
-        def run(task: tuple[str, TensorEntry, Frame]) -> R:
-            try:
-                if failed.is_set():
-                    raise Cancelled("skipped after an earlier frame failed")
-                t0 = time.perf_counter()
-                out = work(task, self._decoder())
-                timer.add(work=time.perf_counter() - t0)
-                timer.tick(task[2].length)
-                return out
-            except BaseException:
-                failed.set()
-                raise
-            finally:
-                budget.release(task[2].length)
-
-        futures: list[Future[R]] = []
-        with ThreadPoolExecutor(self._max_workers, thread_name_prefix="deltastore-sync") as pool:
-            for task in tasks:
-                if failed.is_set():
-                    break
-                budget.acquire(task[2].length)
-                futures.append(pool.submit(run, task))
-            wait(futures, return_when=FIRST_EXCEPTION)
-        raise_first(futures)
-        return [f.result() for f in futures]
-
     def _stage(
         self,
         name: str,
@@ -476,7 +470,7 @@ class Subscriber:
         local = flat_words(self._tensors[name])
         size = itemsize(entry.dtype)
         n = f.stop - f.start
-        data = self._fetch(f, timer)
+        data = self._frames.fetch(f, timer)
         wdt = word_dtype(size)
         if f.codec == XOR_SPARSE:
             pos, masks = dec.sparse(data, n, size, f.changed)
@@ -553,7 +547,7 @@ class Subscriber:
 
         def fill(task: tuple[str, TensorEntry, Frame], dec: FrameDecoder) -> int:
             name, entry, f = task
-            data = self._fetch(f, timer)
+            data = self._frames.fetch(f, timer)
             dest = flat_words(target[name])
             size = itemsize(entry.dtype)
             if dest.device.type == "cpu":
@@ -571,7 +565,7 @@ class Subscriber:
                 dest[f.start : f.stop].copy_(torch.from_numpy(out.view(signed(size))))
             return got
 
-        results = self._pipeline(tasks, fill, timer)
+        results = self._frames.run(tasks, fill, timer)
         t0 = time.perf_counter()
         totals: dict[str, int] = {}
         for (name, entry, f), got in zip(tasks, results, strict=True):
