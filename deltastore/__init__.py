@@ -11,10 +11,12 @@ from deltastore.errors import (
     FrameError,
     IntegrityError,
     InvalidKeyError,
+    LayoutError,
     ManifestError,
     ManifestNotFoundError,
     ObjectNotFoundError,
     PreconditionFailedError,
+    RankError,
     StoreError,
     TensorMismatchError,
     UnsupportedFormatError,
@@ -22,6 +24,7 @@ from deltastore.errors import (
     VersionOrderError,
     WrongParentError,
 )
+from deltastore.layout import Layout, fuse, replicate, shard, stack
 from deltastore.manifest import Manifest, parse_manifest
 from deltastore.publisher import Publisher, PublishReport
 from deltastore.store import LocalStore, Store, open_store
@@ -33,6 +36,8 @@ __all__ = [
     "FrameError",
     "IntegrityError",
     "InvalidKeyError",
+    "Layout",
+    "LayoutError",
     "LocalStore",
     "Manifest",
     "ManifestError",
@@ -41,6 +46,7 @@ __all__ = [
     "PreconditionFailedError",
     "PublishReport",
     "Publisher",
+    "RankError",
     "Store",
     "StoreError",
     "Subscriber",
@@ -51,6 +57,10 @@ __all__ = [
     "VersionOrderError",
     "WrongParentError",
     "__version__",
+    "fuse",
     "open_store",
     "parse_manifest",
+    "replicate",
+    "shard",
+    "stack",
 ]
