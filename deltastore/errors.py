@@ -85,6 +85,11 @@ class VersionOrderError(DeltastoreError, ValueError):
     """A version number does not increase strictly along the chain."""
 
 
+class VersionNotCommittedError(DeltastoreError, TimeoutError):
+    """A version written by several writers was not committed: a writer's part did not arrive
+    in time, or the version was aborted. Nothing was committed; publish a higher version."""
+
+
 __all__ = [
     "ChainError",
     "DeltastoreError",
@@ -101,6 +106,7 @@ __all__ = [
     "TensorMismatchError",
     "UnsupportedFormatError",
     "VersionExistsError",
+    "VersionNotCommittedError",
     "VersionOrderError",
     "WrongParentError",
 ]
