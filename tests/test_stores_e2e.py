@@ -17,26 +17,10 @@ from deltastore.manifest import LATEST_KEY, manifest_key, parse_latest
 from deltastore.store import LocalStore, Store
 from deltastore.store.fsspec_store import RetryPolicy
 from deltastore.synthetic import TINY, AdamWTrajectory
-from tests.servers import azurite, azurite_executable, gcs_emulator, moto_server
+from tests.servers import azurite, azurite_executable, gcs_emulator
 
 VERSIONS = 4
 CREDENTIALS = {"key": "testing", "secret": "testing"}
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    pytest.importorskip("s3fs")
-    with moto_server() as url:
-        import boto3
-
-        boto3.client(
-            "s3",
-            endpoint_url=url,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        ).create_bucket(Bucket="e2e")
-        yield url
 
 
 def s3(endpoint: str, **kwargs: Any) -> Store:

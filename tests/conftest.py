@@ -1,0 +1,25 @@
+"""Fixtures shared by several test modules: emulated stores on 127.0.0.1."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.servers import moto_server
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    pytest.importorskip("s3fs")
+    with moto_server() as url:
+        import boto3
+
+        boto3.client(
+            "s3",
+            endpoint_url=url,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        ).create_bucket(Bucket="e2e")
+        yield url
