@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,8 +35,8 @@ import torch
 
 from deltastore._group import Group
 from deltastore._pipeline import Fetcher, Timer
-from deltastore._words import gather
-from deltastore.checksum import INVERSE, MOD, adler32, apply_delta, delta_sums
+from deltastore._words import gather, gather_range, scatter_range
+from deltastore.checksum import INVERSE, MOD, adler32, apply_delta, delta_sums, shift_to_outer
 from deltastore.codecs import RAW, XOR_SPARSE, FrameDecoder
 from deltastore.dtypes import dtype_from_name, flat_words, itemsize, word_dtype
 from deltastore.errors import (
@@ -49,7 +49,7 @@ from deltastore.errors import (
     StoreError,
     TensorMismatchError,
 )
-from deltastore.layout import BoundLayout, Layout, _span, covered, inside
+from deltastore.layout import BoundLayout, Layout, _contiguous, _span, covered, inside
 from deltastore.manifest import Frame, Manifest, TensorEntry
 
 #: Dense bytes of anchor frames decoded and exchanged per round (bounds exchange memory).
@@ -63,6 +63,8 @@ _CODES: tuple[type[BaseException], ...] = (
     DeltastoreError,
     Exception,
 )
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY_U8 = np.zeros(0, dtype=np.uint8)
 Task = tuple[str, TensorEntry, Frame]
 Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
 
@@ -70,13 +72,15 @@ Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
 @dataclass
 class Segment:
     """Decoded changes of one frame (piece) for one rank: ``raw`` values are new words,
-    otherwise XOR masks; ``copies`` is each element's number of copies in the group."""
+    otherwise XOR masks; ``copies`` is each element's number of copies in the group. Anchor
+    frames travel as dense ranges (``start``; no positions, copies counted by the receiver)."""
 
     tensor: int
     raw: bool
     positions: np.ndarray
     copies: np.ndarray
     values: np.ndarray
+    start: int = -1  # >= 0: raw values of the dense range [start, start + len(values))
 
 
 @dataclass
@@ -187,6 +191,7 @@ class LayoutSync:
         writes: list[_Write] = []
         sums = np.zeros(2 * len(self._names), dtype=np.int64)
         error: BaseException | None = None
+        staged = 0.0  # gather + checksum of received changes: verification work
         pause, resume = hooks
         if parent is None and pause is not None:
             pause()
@@ -201,12 +206,14 @@ class LayoutSync:
                     except Exception as exc:
                         error = exc
                 received = self._exchange(out)
+                t0 = time.perf_counter()
                 if error is None:
                     try:
                         for seg in received:
                             self._stage(seg, m, tensors, writes, sums, fresh=parent is None)
                     except Exception as exc:
                         error = exc
+                staged += time.perf_counter() - t0
                 if error is not None and self.group.world == 1:
                     raise error
             t0 = time.perf_counter()
@@ -217,7 +224,7 @@ class LayoutSync:
         finally:
             if parent is None and resume is not None:
                 resume()
-        return t1 - t0, time.perf_counter() - t1
+        return staged + t1 - t0, time.perf_counter() - t1
 
     def check(self, m: Manifest, tensors: MutableMapping[str, torch.Tensor]) -> list[str]:
         """Names of held tensors whose content is not at ``m`` (full read, a collective)."""
@@ -302,8 +309,7 @@ class LayoutSync:
             for first, words in dec.chunks(data, n, size):
                 if f.codec == RAW:
                     value = adler32(words, value)
-                    pos = np.arange(words.size, dtype=np.int64) + (f.start + first)
-                    self._route(name, entry, True, pos, words, routed)
+                    self._route_range(name, entry, f.start + first, words, routed)
                 else:
                     idx = dec.nonzero(words)
                     changed += idx.size
@@ -349,6 +355,33 @@ class LayoutSync:
             if sel.size:
                 routed[r].append(Segment(tensor, raw, pos[sel], copies[sel], values[sel]))
 
+    def _route_range(
+        self,
+        name: str,
+        entry: TensorEntry,
+        start: int,
+        words: np.ndarray,
+        routed: list[list[Segment]],
+    ) -> None:
+        """Send each rank the part of the dense range ``[start, start + len(words))`` within
+        the hull of its boxes."""
+        stop = start + words.size
+        for r, boxes in self._holders[name]:
+            spans = [_span(entry.shape, o, n) for o, n in boxes]
+            a = max(start, min(lo for lo, _ in spans))
+            b = min(stop, max(hi for _, hi in spans))
+            if a < b:
+                routed[r].append(
+                    Segment(
+                        self._index[name],
+                        True,
+                        _EMPTY,
+                        _EMPTY_U8,
+                        words[a - start : b - start].copy(),
+                        a,
+                    )
+                )
+
     def _exchange(self, out: list[list[Segment]]) -> list[Segment]:
         """Rounds 1 and 2 of the exchange (collectives on every rank, also when empty)."""
         if self.group.world == 1:
@@ -359,7 +392,9 @@ class LayoutSync:
                 np.concatenate(
                     [np.zeros(0, np.int64)]
                     + [
-                        np.concatenate(([s.tensor, int(s.raw), s.positions.size], s.positions))
+                        np.concatenate(
+                            ([s.tensor, int(s.raw), s.values.size, s.start], s.positions)
+                        )
                         for s in segs
                     ]
                 ).astype(np.int64)
@@ -382,13 +417,13 @@ class LayoutSync:
         for ia, ba in zip(got_i, got_b, strict=True):
             i = j = 0
             while i < ia.size:
-                tensor, raw, count = (int(x) for x in ia[i : i + 3])
+                tensor, raw, count, start = (int(x) for x in ia[i : i + 4])
                 size = itemsize(self._entry_dtype(tensor))
-                pos = ia[i + 3 : i + 3 + count]
-                copies = ba[j : j + count]
-                vals = ba[j + count : j + count * (1 + size)].copy().view(word_dtype(size))
-                received.append(Segment(tensor, bool(raw), pos, copies, vals))
-                i, j = i + 3 + count, j + count * (1 + size)
+                k = count if start < 0 else 0  # positions and copies: sparse segments only
+                pos, copies = ia[i + 4 : i + 4 + k], ba[j : j + k]
+                vals = ba[j + k : j + k + count * size].copy().view(word_dtype(size))
+                received.append(Segment(tensor, bool(raw), pos, copies, vals, start))
+                i, j = i + 4 + k, j + k + count * size
         return received
 
     def _entry_dtype(self, tensor: int) -> str:
@@ -411,6 +446,8 @@ class LayoutSync:
         name = self._names[seg.tensor]
         entry = m.tensors[name]
         wdt = word_dtype(itemsize(entry.dtype))
+        if seg.start >= 0:
+            seg = self._stage_range(seg, entry, tensors, writes, sums, fresh=fresh)
         for p in self.bound.placements.get(name, ()):
             idx, local = p.select(seg.positions)
             if not idx.size:
@@ -433,6 +470,78 @@ class LayoutSync:
             da, db = delta_sums(seg.positions[idx], old, new, entry.nbytes, weights)
             sums[2 * seg.tensor] += da
             sums[2 * seg.tensor + 1] += db
+
+    def _stage_range(
+        self,
+        seg: Segment,
+        entry: TensorEntry,
+        tensors: MutableMapping[str, torch.Tensor],
+        writes: list[_Write],
+        sums: np.ndarray,
+        *,
+        fresh: bool,
+    ) -> Segment:
+        """Apply a dense range to the placements it covers as one slice (contiguous boxes with
+        one copy count: a copy and a zlib Adler-32); return what is left, element-wise."""
+        if self.bound is None:  # pragma: no cover - bound before apply
+            raise LayoutError("layout is not bound")
+        name = self._names[seg.tensor]
+        size = itemsize(entry.dtype)
+        lo, hi = seg.start, seg.start + seg.values.size
+        rest = np.ones(seg.values.size, dtype=np.bool_)
+        for p in self.bound.placements.get(name, ()):
+            run = p.runs()
+            if run is None:
+                continue
+            src, dst = run
+            a, b = max(lo, src), min(hi, src + p.box.numel)
+            k = self._uniform_copies(name, entry.shape, a, b) if a < b else None
+            if k is None:
+                continue
+            rest[a - lo : b - lo] = False
+            words = flat_words(tensors[p.local])
+            new = seg.values[a - lo : b - lo]
+            at = dst + a - src
+            if fresh:
+                scatter_range(words, at, new)
+                value, m = adler32(new), (b - a) * size
+                da, db = shift_to_outer(
+                    ((value & 0xFFFF) - 1) % MOD,
+                    ((value >> 16) - m) % MOD,
+                    m,
+                    a * size,
+                    entry.nbytes,
+                )
+            else:
+                old = gather_range(words, at, b - a, new.dtype)
+                ch = np.flatnonzero(old != new)
+                writes.append(_Write(p.local, ch + at, old[ch].copy(), new[ch]))
+                da, db = delta_sums(ch + a, old[ch], new[ch], entry.nbytes)
+            sums[2 * seg.tensor] += da * int(INVERSE[k]) % MOD
+            sums[2 * seg.tensor + 1] += db * int(INVERSE[k]) % MOD
+        left = np.flatnonzero(rest)
+        pos = left + lo
+        every = [b for _, bs in self._holders[name] for b in bs]
+        copies = sum(
+            (inside(pos, entry.shape, o, n).astype(np.uint8) for o, n in every),
+            np.zeros(pos.size, dtype=np.uint8),
+        )
+        return Segment(seg.tensor, True, pos, copies, seg.values[left])
+
+    def _uniform_copies(self, name: str, shape: Sequence[int], a: int, b: int) -> int | None:
+        """Copies in the group of every element of the flat range [a, b), if all have the same
+        number and every box holds all of it or none of it; else None."""
+        k = 0
+        for _, boxes in self._holders[name]:
+            for o, n in boxes:
+                lo, hi = _span(shape, o, n)
+                if hi <= a or b <= lo:
+                    continue
+                if _contiguous(shape, o, n) and lo <= a and b <= hi:
+                    k += 1
+                else:
+                    return None
+        return k or None
 
     def _agree(
         self,

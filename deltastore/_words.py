@@ -38,3 +38,12 @@ def scatter(local: torch.Tensor, positions: np.ndarray, values: np.ndarray) -> N
     idx = torch.from_numpy(positions).to(local.device)
     vals = torch.from_numpy(values.view(signed(values.dtype.itemsize))).to(local.device)
     local.index_copy_(0, idx, vals)
+
+
+def scatter_range(local: torch.Tensor, start: int, values: np.ndarray) -> None:
+    """Write ``values`` (unsigned words) to elements ``[start, start + len(values))``."""
+    if local.device.type == "cpu":
+        local.numpy().view(values.dtype)[start : start + values.size] = values
+        return
+    vals = torch.from_numpy(values.view(signed(values.dtype.itemsize)))
+    local[start : start + values.size].copy_(vals)

@@ -158,6 +158,15 @@ class Placement:
         """Smallest flat range ``[lo, hi)`` of the source holding the box."""
         return _span(self.source_shape, self.box.offset, self.box.lengths)
 
+    def runs(self) -> tuple[int, int] | None:
+        """``(source start, local start)`` when the box is one contiguous run of flat elements
+        both in the source and in the local tensor (then position p maps to p - source start +
+        local start); else None."""
+        extra = len(self.local_shape) - len(self.source_shape)
+        src = _run(self.box.offset, self.box.lengths, self.source_shape)
+        dst = _run(self.box.dst_offset, (1,) * extra + self.box.lengths, self.local_shape)
+        return None if src is None or dst is None else (src, dst)
+
     def select(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For sorted global flat ``positions`` (int64): the indices into ``positions`` that fall
         in the box, and their flat positions in the local tensor (both int64, O(len))."""
@@ -217,13 +226,18 @@ def _unravel(
     return mask, coords
 
 
+def _contiguous(shape: Sequence[int], offset: Sequence[int], lengths: Sequence[int]) -> bool:
+    """Whether the box is one contiguous run of flat elements of a tensor of ``shape``."""
+    return _run(offset, lengths, shape) is not None
+
+
 def _select(p: Placement, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     box = p.box
     extra = len(p.local_shape) - len(p.source_shape)
     dst_strides = _strides(p.local_shape)
-    src_run = _run(box.offset, box.lengths, p.source_shape)
-    dst_run = _run(box.dst_offset, (1,) * extra + box.lengths, p.local_shape)
-    if src_run is not None and dst_run is not None:  # both contiguous: a shift (common case)
+    runs = p.runs()
+    if runs is not None:  # both contiguous: a shift (the common case)
+        src_run, dst_run = runs
         a, b = np.searchsorted(pos, (src_run, src_run + box.numel))
         return np.arange(a, b, dtype=np.int64), pos[a:b] + (dst_run - src_run)
     mask, coords = _unravel(pos, p.source_shape, box.offset, box.lengths)

@@ -283,7 +283,7 @@ class Subscriber:
         t_start = time.perf_counter()
         if not self._verified:
             self.verify()
-        target = self.latest() if version is None else version
+        target = self.latest() if version is None and self._group.rank == 0 else version
         if self._group.world > 1:  # every rank goes to rank 0's target
             target = self._group.broadcast_int(-1 if target is None else target)
             target = None if target < 0 else target
