@@ -3,7 +3,9 @@
 DESIGN section 8: fp32 master weights (normal(0, 0.02); norms at 1.0), one
 ``torch.optim.AdamW`` step per version on seeded random gradients, cast to bf16. At lr 1e-6
 about 1% of bf16 elements change per step. Deterministic for a given config and seed.
-Single-threaded use only.
+The shapes are those of :func:`deltastore.presets.hf_shapes`: dense by default, or MoE, with
+q/k/v biases, q/k norms or tied embeddings (:class:`ModelConfig` fields). Single-threaded use
+only.
 """
 
 from __future__ import annotations
@@ -12,10 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
+from deltastore.presets import Family, ModelSpec, hf_shapes
+
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """Shape of the synthetic model (Qwen2-style names, HF layout: [out, in])."""
+class ModelConfig(ModelSpec):
+    """Shape of the synthetic model: a :class:`~deltastore.presets.ModelSpec` with defaults
+    (Qwen2-style names, HF layout: [out, in]; dense, no q/k/v bias or q/k norm unless asked,
+    e.g. ``ModelConfig(..., experts=4, moe_intermediate=256, family="qwen3_moe")``)."""
 
     vocab: int = 151936
     hidden: int = 2048
@@ -24,26 +30,11 @@ class ModelConfig:
     heads: int = 16
     kv_heads: int = 8
     head_dim: int = 128
+    family: Family = "qwen2"
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, h)}
-        for i in range(self.layers):
-            p = f"model.layers.{i}."
-            out |= {
-                p + "input_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "post_attention_layernorm.weight": (h,),
-                p + "mlp.gate_proj.weight": (self.intermediate, h),
-                p + "mlp.up_proj.weight": (self.intermediate, h),
-                p + "mlp.down_proj.weight": (h, self.intermediate),
-            }
-        out["model.norm.weight"] = (h,)
-        out["lm_head.weight"] = (self.vocab, h)
-        return out
+        """Global tensor name -> shape (:func:`deltastore.presets.hf_shapes`)."""
+        return hf_shapes(self)
 
     def numel(self) -> int:
         total = 0
