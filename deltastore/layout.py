@@ -293,9 +293,10 @@ def _bind(part: Part, shapes: Mapping[str, Sequence[int]], where: str) -> _Bound
         d = _dim(part.dim, len(inner.shape), where)
         extent = inner.shape[d]
         if part.block is not None:
-            lo, size = part.rank * part.block, part.block
+            size = part.block
+            lo = min(part.rank * size, extent)  # a rank past the extent holds only padding
             hi = min(lo + size, extent)
-            if lo > extent or part.block * part.world < extent:
+            if part.block * part.world < extent:
                 raise LayoutError(
                     f"{where}: block {part.block} x {part.world} ranks does not cover extent "
                     f"{extent} of dim {d}"
