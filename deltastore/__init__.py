@@ -26,6 +26,7 @@ from deltastore.errors import (
 )
 from deltastore.layout import Layout, fuse, replicate, shard, stack
 from deltastore.manifest import Manifest, parse_manifest
+from deltastore.presets import ModelSpec, hf_shapes, vllm_layout
 from deltastore.publisher import Publisher, PublishReport
 from deltastore.store import LocalStore, Store, open_store
 from deltastore.subscriber import Subscriber, SyncReport
@@ -42,6 +43,7 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "ManifestNotFoundError",
+    "ModelSpec",
     "ObjectNotFoundError",
     "PreconditionFailedError",
     "PublishReport",
@@ -58,9 +60,11 @@ __all__ = [
     "WrongParentError",
     "__version__",
     "fuse",
+    "hf_shapes",
     "open_store",
     "parse_manifest",
     "replicate",
     "shard",
     "stack",
+    "vllm_layout",
 ]
