@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -27,12 +28,7 @@ import torch
 import xxhash
 
 from deltastore._ratios import SizeRatios
-from deltastore._snapshot import (
-    DiskSnapshot,
-    MemorySnapshot,
-    SavedState,
-    TensorState,
-)
+from deltastore._snapshot import DiskSnapshot, MemorySnapshot, TensorState, WriterState, row_range
 from deltastore._tables import check_table, raise_if_mismatched
 from deltastore._version import __version__
 from deltastore.checksum import adler32, combine
@@ -105,27 +101,25 @@ class _Pending:
     entries: dict[str, TensorEntry] = field(default_factory=dict)
     frame_adler: dict[str, list[int]] = field(default_factory=dict)
     updates: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+    rows: dict[str, tuple[int, int]] = field(default_factory=dict)
     codecs: dict[str, int] = field(default_factory=dict)
     detect_s: float = 0.0
     encode_s: float = 0.0
     upload_s: float = 0.0
 
 
-def _table(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, list[int]]]:
-    """Names, dtypes and shapes, checked against the format's limits before any upload."""
-    table: dict[str, tuple[str, list[int]]] = {}
-    for name, t in tensors.items():
-        if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name) or not _utf8(name):
-            raise TensorMismatchError(
-                f"tensor name {name!r} is not allowed: 1-1024 characters, no control characters"
-            )
-        if t.dim() > MAX_DIMS or t.numel() > MAX_ELEMENTS:
-            raise TensorMismatchError(
-                f"{name}: shape {list(t.shape)} is over the format's limits "
-                f"({MAX_DIMS} dims, {MAX_ELEMENTS} elements)"
-            )
-        table[name] = (dtype_name(t.dtype), list(t.shape))
-    return table
+def table_entry(name: str, dtype: torch.dtype, shape: Sequence[int]) -> tuple[str, list[int]]:
+    """``(dtype name, shape)`` of a tensor to publish, checked against the format's limits."""
+    if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name) or not _utf8(name):
+        raise TensorMismatchError(
+            f"tensor name {name!r} is not allowed: 1-1024 characters, no control characters"
+        )
+    if len(shape) > MAX_DIMS or math.prod(shape) > MAX_ELEMENTS:
+        raise TensorMismatchError(
+            f"{name}: shape {list(shape)} is over the format's limits "
+            f"({MAX_DIMS} dims, {MAX_ELEMENTS} elements)"
+        )
+    return dtype_name(dtype), list(shape)
 
 
 def _utf8(name: str) -> bool:
@@ -168,15 +162,89 @@ class _PackWriter:
         self._parts, self._size, self._seq = [], 0, self._seq + 1
 
 
-class Publisher:
-    """Publishes versions of a set of tensors to a store.
+# --- the commit protocol, shared with deltastore.sharded ---------------------------------
 
-    Keyword options: ``snapshot`` (``"memory"``: the parent's words in RAM; ``"disk"``: in a
-    memory-mapped file under ``state_dir``, which also lets a restarted publisher continue
-    without :meth:`attach`), ``max_frame_bytes``
-    (dense bytes per frame, default 16 MiB), ``max_object_bytes`` (bytes per data object,
-    default 64 MiB), ``zstd_level`` (default 1).
-    """
+
+def head_version(store: Store) -> int | None:
+    """The store's newest committed version (by listing ``manifests/``), or None."""
+    versions = [v for k in store.list(MANIFEST_PREFIX) if (v := version_of_key(k)) is not None]
+    return max(versions, default=None)
+
+
+def check_version_number(version: object) -> None:
+    """:class:`VersionOrderError` unless ``version`` is an integer in ``[0, MAX_VERSION]``."""
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+        raise VersionOrderError(
+            f"version must be an integer in [0, {MAX_VERSION}], got {version!r}"
+        )
+
+
+def commit_manifest(
+    store: Store,
+    *,
+    version: int,
+    kind: Literal["anchor", "delta"],
+    parent: Parent | None,
+    entries: dict[str, TensorEntry],
+    token: str,
+) -> tuple[Manifest, bytes]:
+    """Build the manifest of ``version`` and create it with ``put_if_absent`` (the commit
+    point); returns it and its bytes. Nothing is written when the model rejects it
+    (``ValidationError``) or it is over the size readers accept (:class:`ManifestError`);
+    :class:`VersionExistsError` when another writer committed the version first."""
+    manifest = Manifest(
+        format_version=1,
+        version=version,
+        kind=kind,
+        parent=parent,
+        state_digest=state_digest((n, e.dtype, e.shape, e.adler32) for n, e in entries.items()),
+        created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        writer=Writer(token=token, library=f"deltastore {__version__}"),
+        tensors=entries,
+    )
+    body = manifest.to_bytes()
+    if len(body) > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            f"the manifest would be {len(body)} bytes, over the {MAX_MANIFEST_BYTES} readers "
+            "accept; raise max_frame_bytes to write fewer frames"
+        )
+    store.put_if_absent(manifest_key(version), body)
+    return manifest, body
+
+
+def advance_latest(store: Store, version: int, body: bytes) -> None:
+    """Move ``LATEST`` forward with compare-and-swap; never backwards. Best effort: the
+    manifest is already committed and readers can always list ``manifests/``."""
+    latest = Latest(
+        format_version=1,
+        version=version,
+        manifest=manifest_key(version),
+        sha256=hashlib.sha256(body).hexdigest(),
+    )
+    for _ in range(8):
+        try:
+            current = store.get_with_token(LATEST_KEY)
+            if current is not None:
+                try:
+                    if parse_latest(current[0]).version >= version:
+                        return
+                except DeltastoreError:
+                    pass  # a damaged hint is simply replaced
+            store.put_if_match(
+                LATEST_KEY, latest.model_dump_json().encode(), current[1] if current else None
+            )
+            return
+        except DeltastoreError as exc:
+            log.debug("LATEST update retry after %s", exc)
+    log.warning("version %d is committed but LATEST could not be advanced", version)
+
+
+class _ChainWriter:
+    """What :class:`Publisher` and :class:`deltastore.sharded.ShardWriter` share: options, the
+    version held (:class:`WriterState`), change detection and frame encoding."""
+
+    #: ``(rank, world)`` of a shard writer; None for a publisher of whole tensors.
+    _shard: tuple[int, int] | None = None
 
     def __init__(
         self,
@@ -200,67 +268,42 @@ class Publisher:
         self._max_frame_bytes = max_frame_bytes
         self._max_object_bytes = max_object_bytes
         self._encoder = FrameEncoder(zstd_level)
-        self._state: dict[str, TensorState] | None = None
-        self._version: int | None = None
-        self._digest: str | None = None
         self._ne = np.empty(0, dtype=np.bool_)
-        self._snapshots: MemorySnapshot = (
-            DiskSnapshot(state_dir) if state_dir is not None else MemorySnapshot()
-        )
-        self._resume(self._snapshots.load())
-
-    def _resume(self, saved: SavedState | None) -> None:
-        """Adopt a saved state if it is this store's committed version with these settings."""
-        if saved is None or saved.store != self.store.url:
-            return
-        if saved.max_frame_bytes != self._max_frame_bytes:
-            log.info("saved state ignored: it was written with another max_frame_bytes")
-            return
-        try:
-            manifest = parse_manifest(self.store.get(manifest_key(saved.version)))
-        except DeltastoreError as exc:
-            log.info("saved state ignored: version %d unreadable (%s)", saved.version, exc)
-            return
-        if manifest.state_digest != saved.state_digest:
-            log.info("saved state ignored: it does not match version %d", saved.version)
-            return
-        self._state, self._version, self._digest = saved.tensors, saved.version, saved.state_digest
-
-    def _save(self) -> None:
-        if self._state is not None and self._version is not None and self._digest is not None:
-            self._snapshots.commit(
-                SavedState(
-                    self.store.url, self._version, self._digest, self._max_frame_bytes, self._state
-                )
-            )
+        snapshots = DiskSnapshot(state_dir) if state_dir is not None else MemorySnapshot()
+        self._held = WriterState(self.store, snapshots, max_frame_bytes, self._shard)
+        self._held.resume()
 
     @property
     def version(self) -> int | None:
-        """Last version this publisher committed or attached to (None before)."""
-        return self._version
+        """Last version this writer committed or attached to (None before)."""
+        return self._held.version
 
-    # --- store reads --------------------------------------------------------------------
-
-    def _head(self) -> int | None:
-        versions = [
-            v for k in self.store.list(MANIFEST_PREFIX) if (v := version_of_key(k)) is not None
-        ]
-        return max(versions, default=None)
+    def _parent(self) -> Parent:
+        """The version held, as the parent of a delta on it."""
+        held = self._held
+        if held.version is None or held.digest is None:
+            raise ChainError("this writer holds no version to publish a delta on")
+        return Parent(version=held.version, state_digest=held.digest)
 
     def _frames_of(self, numel: int, size: int) -> list[tuple[int, int]]:
         step = max(1, self._max_frame_bytes // size)
         return [(a, min(a + step, numel)) for a in range(0, numel, step)]
 
+    def _checksums(self, words: np.ndarray) -> tuple[list[int], int]:
+        """Per-frame and whole Adler-32 of ``words`` on this writer's frame grid (one pass)."""
+        size = words.dtype.itemsize
+        bounds = self._frames_of(words.size, size)
+        frames = [adler32(words[a:b]) for a, b in bounds]
+        total = 1
+        for (a, b), fa in zip(bounds, frames, strict=True):
+            total = combine(total, fa, (b - a) * size)
+        return frames, total
+
     # --- attach -------------------------------------------------------------------------
 
-    def attach(self, tensors: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
-        """Continue the chain of an existing store from ``tensors`` at ``version``.
-
-        ``version`` defaults to the newest committed one. The tensors are checked against that
-        manifest (names, dtypes, shapes and per-tensor Adler-32) before anything is kept; the
-        next publish is then a delta against them. Returns the attached version.
-        """
-        head = self._head()
+    def _head_manifest(self, version: int | None) -> Manifest:
+        """The manifest of the store's newest version, which ``version`` (if given) must be."""
+        head = head_version(self.store)
         if head is None:
             raise ChainError(
                 f"store {self.store.url} holds no version to attach to; publish an anchor"
@@ -272,80 +315,54 @@ class Publisher:
                 "the chain from its head only; attach with the tensors of the newest version"
             )
         try:
-            manifest = parse_manifest(
-                self.store.get(manifest_key(version)), key=manifest_key(version)
-            )
+            return parse_manifest(self.store.get(manifest_key(version)), key=manifest_key(version))
         except ObjectNotFoundError:
             raise ManifestNotFoundError(
                 f"version {version} is not committed in store {self.store.url}"
             ) from None
-        check_table(tensors, manifest, exact=True)
-        sums = {name: self._checksums(tensors[name]) for name in manifest.tensors}
-        raise_if_mismatched(
-            [n for n, (_, total) in sums.items() if total != manifest.tensors[n].adler32], manifest
-        )
-        self._snapshots.begin_update()
-        words = self._snapshots.replace(
-            {n: np_words(tensors[n].detach().cpu().contiguous()) for n in manifest.tensors}
-        )
-        self._state = {
-            n: TensorState(e.dtype, e.shape, words[n], sums[n][0], sums[n][1])
-            for n, e in manifest.tensors.items()
-        }
-        self._version, self._digest = version, manifest.state_digest
-        self._save()
-        return version
-
-    def _checksums(self, t: torch.Tensor) -> tuple[list[int], int]:
-        """Per-frame and whole-tensor Adler-32 of ``t`` (one pass)."""
-        src = np_words(t.detach().cpu().contiguous())
-        size = t.element_size()
-        bounds = self._frames_of(src.size, size)
-        frames = [adler32(src[a:b]) for a, b in bounds]
-        total = 1
-        for (a, b), fa in zip(bounds, frames, strict=True):
-            total = combine(total, fa, (b - a) * size)
-        return frames, total
 
     # --- publish ------------------------------------------------------------------------
 
-    def publish(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        *,
-        version: int,
-        anchor: bool | None = None,
-        progress: ProgressFn | None = None,
-    ) -> PublishReport:
-        """Publish ``tensors`` as ``version`` and commit it.
-
-        The first publish (and any publish whose tensor names, dtypes or shapes differ from
-        the parent's) is an anchor; ``anchor=True`` forces one, ``anchor=False`` refuses to
-        write one. ``progress`` is called after each frame (dense bytes). Tensors must not be
-        modified during the call. Raises
-        :class:`VersionOrderError` for a version not above the chain head and
-        :class:`VersionExistsError` when another writer committed ``version`` first.
-        """
-        t_start = time.perf_counter()
-        self._check_version(version, anchor=bool(anchor))
-        self.store.check_conditional_writes()  # before any upload: refuse unsafe commits
-        table = _table(tensors)
-        state = self._state
-        same_table = state is not None and table == {
-            n: (s.dtype, s.shape) for n, s in state.items()
-        }
-        if anchor is False and not same_table:
-            raise ChainError(
-                "cannot publish a delta: no parent state, or the tensor names/dtypes/shapes "
-                "changed; publish an anchor (anchor=True or None)"
+    def _check_version(self, version: int, *, anchor: bool) -> None:
+        check_version_number(version)
+        held = self._held.version
+        if held is not None and version <= held:
+            raise VersionOrderError(f"version {version} is not above the last published {held}")
+        head = head_version(self.store)
+        if head is not None and version <= head:
+            raise VersionOrderError(
+                f"version {version} is not above the store's newest version {head}; "
+                "versions must increase strictly"
             )
-        kind: Literal["anchor", "delta"] = "anchor" if anchor or not same_table else "delta"
-        parent_state = state if same_table else None
-        pending = _Pending()
+        if head is not None and held is not None and head != held:  # forked
+            if anchor:  # a forced anchor needs no parent: forget the stale one
+                self._held.forget()
+                return
+            raise ChainError(
+                f"the store's newest version is {head} but this publisher is at {held}: "
+                "another publisher moved the chain; attach() to the store again (CLI: --parent) "
+                "or publish an anchor"
+            )
+
+    def _encode(
+        self,
+        version: int,
+        host: Mapping[str, np.ndarray],
+        specs: Mapping[str, tuple[str, list[int]]],
+        parent_state: Mapping[str, TensorState] | None,
+        kind: str,
+        progress: ProgressFn | None,
+        rows: Mapping[str, tuple[int, int]] | None = None,
+    ) -> _Pending:
+        """Detect and encode the changes of every tensor, upload the data objects.
+
+        ``rows`` places words at dim-0 rows of a larger global tensor (``specs`` holds its
+        shape); frames are then cut from the start of the words, at global positions.
+        """
+        pending = _Pending(rows=dict(rows or {}))
         packs = _PackWriter(
             self.store, f"{data_prefix(version)}{self.token[:12]}-", self._max_object_bytes, pending
         )
-        host = {n: np_words(t.detach().cpu().contiguous()) for n, t in tensors.items()}
         ticker = Ticker(
             progress,
             sum(len(self._frames_of(w.size, w.dtype.itemsize)) for w in host.values()),
@@ -353,97 +370,10 @@ class Publisher:
         )
         for name, words in host.items():
             prev = parent_state[name] if parent_state is not None else None
-            self._encode_tensor(name, words, table[name], prev, kind, packs, pending, ticker)
+            start = row_range(specs[name][1], rows[name])[0] if rows else 0
+            self._encode_tensor(name, words, specs[name], prev, kind, packs, pending, ticker, start)
         packs.flush()
-        manifest = Manifest(
-            format_version=1,
-            version=version,
-            kind=kind,
-            parent=Parent(version=self._version, state_digest=self._digest)
-            if parent_state is not None and self._version is not None and self._digest is not None
-            else None,
-            state_digest=state_digest(
-                (n, e.dtype, e.shape, e.adler32) for n, e in pending.entries.items()
-            ),
-            created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-            writer=Writer(token=self.token, library=f"deltastore {__version__}"),
-            tensors=pending.entries,
-        )
-        t0 = time.perf_counter()
-        body = manifest.to_bytes()
-        if len(body) > MAX_MANIFEST_BYTES:
-            raise ManifestError(
-                f"the manifest would be {len(body)} bytes, over the {MAX_MANIFEST_BYTES} readers "
-                "accept; raise max_frame_bytes to write fewer frames"
-            )
-        self.store.put_if_absent(manifest_key(version), body)
-        self._advance_latest(version, body)
-        pending.upload_s += time.perf_counter() - t0
-        try:
-            self._commit_state(host, pending, incremental=parent_state is not None)
-            self._version, self._digest = version, manifest.state_digest
-            self._save()
-        except OSError as exc:  # committed all the same: only the parent for next time is lost
-            log.warning(
-                "version %d is committed, but the publisher state could not be saved (%s); "
-                "the next publish needs attach() (CLI: --parent) or an anchor",
-                version,
-                exc,
-            )
-            self._state, self._version, self._digest = None, version, manifest.state_digest
-        report = PublishReport(
-            version=version,
-            kind=kind,
-            parent=manifest.parent.version if manifest.parent else None,
-            changed_elements=manifest.changed_elements,
-            total_elements=manifest.total_elements,
-            payload_bytes=manifest.payload_bytes,
-            dense_bytes=manifest.dense_bytes,
-            frames=sum(len(e.frames) for e in manifest.tensors.values()),
-            codecs=pending.codecs,
-            detect_s=pending.detect_s,
-            encode_s=pending.encode_s,
-            upload_s=pending.upload_s,
-            total_s=time.perf_counter() - t_start,
-        )
-        log.info(
-            "published v%d (%s): %.3f%% changed, %d payload bytes (%.2f%% of dense)",
-            version,
-            kind,
-            100 * report.changed_fraction,
-            report.payload_bytes,
-            100 * report.payload_ratio,
-        )
-        return report
-
-    def _check_version(self, version: int, *, anchor: bool) -> None:
-        if (
-            isinstance(version, bool)
-            or not isinstance(version, int)
-            or not 0 <= version <= MAX_VERSION
-        ):
-            raise VersionOrderError(
-                f"version must be an integer in [0, {MAX_VERSION}], got {version!r}"
-            )
-        if self._version is not None and version <= self._version:
-            raise VersionOrderError(
-                f"version {version} is not above the last published {self._version}"
-            )
-        head = self._head()
-        if head is not None and version <= head:
-            raise VersionOrderError(
-                f"version {version} is not above the store's newest version {head}; "
-                "versions must increase strictly"
-            )
-        if head is not None and self._version is not None and head != self._version:  # forked
-            if anchor:  # a forced anchor needs no parent: forget the stale one
-                self._state = self._version = self._digest = None
-                return
-            raise ChainError(
-                f"the store's newest version is {head} but this publisher is at {self._version}: "
-                "another publisher moved the chain; attach() to the store again (CLI: --parent) "
-                "or publish an anchor"
-            )
+        return pending
 
     def _encode_tensor(
         self,
@@ -455,6 +385,7 @@ class Publisher:
         packs: _PackWriter,
         pending: _Pending,
         ticker: Ticker,
+        start: int,
     ) -> None:
         size = words.dtype.itemsize
         frames: list[Frame] = []
@@ -481,8 +412,8 @@ class Publisher:
                 t1 = time.perf_counter()
                 frames.append(
                     Frame(
-                        start=a,
-                        stop=b,
+                        start=start + a,
+                        stop=start + b,
                         codec=codec,
                         object=obj,
                         offset=offset,
@@ -519,51 +450,150 @@ class Publisher:
         np.not_equal(old, new, out=ne)
         return np.flatnonzero(ne)
 
-    def _advance_latest(self, version: int, body: bytes) -> None:
-        """Move ``LATEST`` forward with compare-and-swap; never backwards. Best effort: the
-        manifest is already committed and readers can always list ``manifests/``."""
-        latest = Latest(
-            format_version=1,
+    def _report(
+        self,
+        version: int,
+        kind: Literal["anchor", "delta"],
+        parent: Parent | None,
+        host: Mapping[str, np.ndarray],
+        pending: _Pending,
+        t_start: float,
+    ) -> PublishReport:
+        """What was published of ``host`` (the words this writer encoded)."""
+        entries = pending.entries.values()
+        return PublishReport(
             version=version,
-            manifest=manifest_key(version),
-            sha256=hashlib.sha256(body).hexdigest(),
+            kind=kind,
+            parent=parent.version if parent is not None else None,
+            changed_elements=sum(e.changed for e in entries),
+            total_elements=sum(w.size for w in host.values()),
+            payload_bytes=sum(f.length for e in entries for f in e.frames),
+            dense_bytes=sum(w.nbytes for w in host.values()),
+            frames=sum(len(e.frames) for e in entries),
+            codecs=pending.codecs,
+            detect_s=pending.detect_s,
+            encode_s=pending.encode_s,
+            upload_s=pending.upload_s,
+            total_s=time.perf_counter() - t_start,
         )
-        for _ in range(8):
-            try:
-                current = self.store.get_with_token(LATEST_KEY)
-                if current is not None:
-                    try:
-                        if parse_latest(current[0]).version >= version:
-                            return
-                    except DeltastoreError:
-                        pass  # a damaged hint is simply replaced
-                self.store.put_if_match(
-                    LATEST_KEY, latest.model_dump_json().encode(), current[1] if current else None
-                )
-                return
-            except DeltastoreError as exc:
-                log.debug("LATEST update retry after %s", exc)
-        log.warning("version %d is committed but LATEST could not be advanced", version)
 
-    def _commit_state(
-        self, host: dict[str, np.ndarray], pending: _Pending, *, incremental: bool
+    def _adopt(
+        self,
+        manifest: Manifest,
+        host: Mapping[str, np.ndarray],
+        pending: _Pending,
+        *,
+        incremental: bool,
     ) -> None:
-        """After the commit: bring the snapshot to the published version."""
-        self._snapshots.begin_update()
-        if incremental and self._state is not None:
-            for snap, positions, values in pending.updates:
-                snap[positions] = values
-            for name, st in self._state.items():
-                st.frame_adler = pending.frame_adler[name]
-                st.adler = pending.entries[name].adler32
-        else:
-            words = self._snapshots.replace(host)
-            self._state = {
-                name: TensorState(
-                    e.dtype, e.shape, words[name], pending.frame_adler[name], e.adler32
-                )
-                for name, e in pending.entries.items()
-            }
+        """After ``manifest`` is committed: bring the snapshot to it, in O(changed) for a
+        delta. A failure to save only loses the parent for next time (logged)."""
+        version, digest = manifest.version, manifest.state_digest
+        sums = {n: (pending.frame_adler[n], e.adler32) for n, e in pending.entries.items()}
+        try:
+            if incremental:
+                self._held.update(version, digest, pending.updates, sums)
+            else:
+                specs = {n: (e.dtype, e.shape) for n, e in pending.entries.items()}
+                self._held.replace(version, digest, host, specs, sums, pending.rows)
+        except OSError as exc:  # committed all the same: only the parent for next time is lost
+            log.warning(
+                "version %d is committed, but the publisher state could not be saved (%s); "
+                "the next publish needs attach() (CLI: --parent) or an anchor",
+                version,
+                exc,
+            )
+            self._held.forget()
+            self._held.version, self._held.digest = version, digest
+
+
+class Publisher(_ChainWriter):
+    """Publishes versions of a set of tensors to a store.
+
+    Keyword options: ``snapshot`` (``"memory"``: the parent's words in RAM; ``"disk"``: in a
+    memory-mapped file under ``state_dir``, which also lets a restarted publisher continue
+    without :meth:`attach`), ``max_frame_bytes``
+    (dense bytes per frame, default 16 MiB), ``max_object_bytes`` (bytes per data object,
+    default 64 MiB), ``zstd_level`` (default 1).
+    """
+
+    def attach(self, tensors: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
+        """Continue the chain of an existing store from ``tensors`` at ``version``.
+
+        ``version`` defaults to the newest committed one. The tensors are checked against that
+        manifest (names, dtypes, shapes and per-tensor Adler-32) before anything is kept; the
+        next publish is then a delta against them. Returns the attached version.
+        """
+        manifest = self._head_manifest(version)
+        check_table(tensors, manifest, exact=True)
+        host = {n: np_words(tensors[n].detach().cpu().contiguous()) for n in manifest.tensors}
+        sums = {name: self._checksums(words) for name, words in host.items()}
+        raise_if_mismatched(
+            [n for n, (_, total) in sums.items() if total != manifest.tensors[n].adler32], manifest
+        )
+        specs = {n: (e.dtype, e.shape) for n, e in manifest.tensors.items()}
+        self._held.replace(manifest.version, manifest.state_digest, host, specs, sums, {})
+        return manifest.version
+
+    def publish(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        version: int,
+        anchor: bool | None = None,
+        progress: ProgressFn | None = None,
+    ) -> PublishReport:
+        """Publish ``tensors`` as ``version`` and commit it.
+
+        The first publish (and any publish whose tensor names, dtypes or shapes differ from
+        the parent's) is an anchor; ``anchor=True`` forces one, ``anchor=False`` refuses to
+        write one. ``progress`` is called after each frame (dense bytes). Tensors must not be
+        modified during the call. Raises
+        :class:`VersionOrderError` for a version not above the chain head and
+        :class:`VersionExistsError` when another writer committed ``version`` first.
+        """
+        t_start = time.perf_counter()
+        self._check_version(version, anchor=bool(anchor))
+        self.store.check_conditional_writes()  # before any upload: refuse unsafe commits
+        table = {n: table_entry(n, t.dtype, t.shape) for n, t in tensors.items()}
+        state = self._held.tensors
+        same_table = state is not None and table == {
+            n: (s.dtype, s.shape) for n, s in state.items()
+        }
+        if anchor is False and not same_table:
+            raise ChainError(
+                "cannot publish a delta: no parent state, or the tensor names/dtypes/shapes "
+                "changed; publish an anchor (anchor=True or None)"
+            )
+        kind: Literal["anchor", "delta"] = "anchor" if anchor or not same_table else "delta"
+        parent_state = state if same_table else None
+        parent = self._parent() if parent_state is not None else None
+        host = {n: np_words(t.detach().cpu().contiguous()) for n, t in tensors.items()}
+        pending = self._encode(version, host, table, parent_state, kind, progress)
+        t0 = time.perf_counter()
+        manifest, body = commit_manifest(
+            self.store,
+            version=version,
+            kind=kind,
+            parent=parent,
+            entries=pending.entries,
+            token=self.token,
+        )
+        self._advance_latest(version, body)
+        pending.upload_s += time.perf_counter() - t0
+        self._adopt(manifest, host, pending, incremental=parent is not None)
+        report = self._report(version, kind, parent, host, pending, t_start)
+        log.info(
+            "published v%d (%s): %.3f%% changed, %d payload bytes (%.2f%% of dense)",
+            version,
+            kind,
+            100 * report.changed_fraction,
+            report.payload_bytes,
+            100 * report.payload_ratio,
+        )
+        return report
+
+    def _advance_latest(self, version: int, body: bytes) -> None:
+        advance_latest(self.store, version, body)
 
 
 __all__ = ["PublishReport", "Publisher"]
