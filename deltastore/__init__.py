@@ -21,6 +21,7 @@ from deltastore.errors import (
     TensorMismatchError,
     UnsupportedFormatError,
     VersionExistsError,
+    VersionNotCommittedError,
     VersionOrderError,
     WrongParentError,
 )
@@ -28,6 +29,7 @@ from deltastore.layout import Layout, fuse, replicate, shard, stack
 from deltastore.manifest import Manifest, parse_manifest
 from deltastore.presets import ModelSpec, hf_shapes, vllm_layout
 from deltastore.publisher import Publisher, PublishReport
+from deltastore.sharded import RowSlice, ShardWriter, commit_parts
 from deltastore.store import LocalStore, Store, open_store
 from deltastore.subscriber import Subscriber, SyncReport
 
@@ -49,6 +51,8 @@ __all__ = [
     "PublishReport",
     "Publisher",
     "RankError",
+    "RowSlice",
+    "ShardWriter",
     "Store",
     "StoreError",
     "Subscriber",
@@ -56,9 +60,11 @@ __all__ = [
     "TensorMismatchError",
     "UnsupportedFormatError",
     "VersionExistsError",
+    "VersionNotCommittedError",
     "VersionOrderError",
     "WrongParentError",
     "__version__",
+    "commit_parts",
     "fuse",
     "hf_shapes",
     "open_store",
