@@ -106,7 +106,7 @@ class LayoutSync:
         self._holders: dict[str, list[tuple[int, Boxes]]] = {}
         self._names: list[str] = []
         self._index: dict[str, int] = {}
-        self._bound_layout = layout or Layout({})
+        self._checked: tuple[object, ...] = ()
 
     # --- binding ------------------------------------------------------------------------
 
@@ -153,25 +153,22 @@ class LayoutSync:
             self.bound, self._holders, self._table = bound, holders, table
             self._names = list(m.tensors)
             self._index = {n: i for i, n in enumerate(self._names)}
-            self._bound_layout = layout
         if self.bound is None:  # pragma: no cover - set above
             raise LayoutError("layout is not bound")
+        dtypes = {n: e.dtype for n, e in m.tensors.items()}
         if tensors is None:
-            tensors = {}
-            for local, shape in self.bound.local_shapes.items():
-                src = next(
-                    n
-                    for n, ps in self.bound.placements.items()
-                    if any(p.local == local for p in ps)
+            tensors = {
+                local: torch.zeros(
+                    shape,
+                    dtype=dtype_from_name(dtypes[self.bound.local_sources[local][0]]),
+                    device=device,
                 )
-                tensors[local] = torch.zeros(
-                    shape, dtype=dtype_from_name(m.tensors[src].dtype), device=device
-                )
-        self._bound_layout.bind(
-            {n: tuple(e.shape) for n, e in m.tensors.items()},
-            tensors,
-            {n: e.dtype for n, e in m.tensors.items()},
-        )
+                for local, shape in self.bound.local_shapes.items()
+            }
+        seen = (table, tuple(map(id, tensors.values())))
+        if seen != self._checked:  # the same tensor objects for the same table: checked
+            self.bound.check(tensors, dtypes)
+            self._checked = seen
         return tensors
 
     # --- one version --------------------------------------------------------------------

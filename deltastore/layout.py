@@ -411,6 +411,7 @@ class Layout:
         the global tensor's dtype). Raises :class:`LayoutError` listing what does not fit."""
         placements: dict[str, list[Placement]] = {}
         local_shapes: dict[str, tuple[int, ...]] = {}
+        local_sources: dict[str, tuple[str, ...]] = {}
         problems: list[str] = []
         for local, part in self.parts.items():
             try:
@@ -419,37 +420,32 @@ class Layout:
                 problems.append(str(exc))
                 continue
             local_shapes[local] = bound.shape
+            local_sources[local] = tuple(dict.fromkeys(_sources(part)))
             for box in bound.boxes:
                 src = tuple(int(n) for n in shapes[box.source])
                 placements.setdefault(box.source, []).append(
                     Placement(local, bound.shape, box, src)
                 )
-            if tensors is None:
-                continue
-            t = tensors.get(local)
-            if t is None:
-                problems.append(
-                    f"local tensor {local!r}: missing (expected shape {list(bound.shape)})"
-                )
-            elif tuple(t.shape) != bound.shape:
-                problems.append(
-                    f"local tensor {local!r}: shape {list(t.shape)}, the layout gives "
-                    f"{list(bound.shape)}"
-                )
-            elif not t.is_contiguous():
-                problems.append(f"local tensor {local!r}: not contiguous")
-            elif dtypes is not None:
-                want = {dtypes[b.source] for b in bound.boxes if b.source in dtypes}
-                if want and want != {dtype_name(t.dtype)}:
-                    problems.append(
-                        f"local tensor {local!r}: dtype {dtype_name(t.dtype)}, the global "
-                        f"tensors it holds are {sorted(want)}"
-                    )
+            kinds = {dtypes[n] for n in local_sources[local] if n in dtypes} if dtypes else set()
+            if len(kinds) > 1:
+                problems.append(f"local tensor {local!r}: fuses global dtypes {sorted(kinds)}")
         if problems:
             raise LayoutError(
                 f"layout does not fit ({len(problems)} problems): " + "; ".join(problems[:6])
             )
-        return BoundLayout(placements, local_shapes)
+        out = BoundLayout(placements, local_shapes, local_sources)
+        if tensors is not None:
+            out.check(tensors, dtypes)
+        return out
+
+
+def _sources(part: Part) -> list[str]:
+    """Global names an expression refers to, in order (also those it holds no element of)."""
+    if isinstance(part, Replicate):
+        return [part.name]
+    if isinstance(part, Shard):
+        return _sources(part.part)
+    return [n for p in part.parts for n in _sources(p)]
 
 
 @dataclass(frozen=True)
@@ -459,6 +455,36 @@ class BoundLayout:
 
     placements: Mapping[str, list[Placement]]
     local_shapes: Mapping[str, tuple[int, ...]]
+    local_sources: Mapping[str, tuple[str, ...]]
+
+    def check(
+        self, tensors: Mapping[str, torch.Tensor], dtypes: Mapping[str, str] | None = None
+    ) -> None:
+        """Raise :class:`LayoutError` unless every local tensor exists, is contiguous, has the
+        bound shape and (with ``dtypes``: global name -> dtype name) its sources' dtype."""
+        problems: list[str] = []
+        for local, shape in self.local_shapes.items():
+            t = tensors.get(local)
+            if t is None:
+                problems.append(f"local tensor {local!r}: missing (expected shape {list(shape)})")
+            elif tuple(t.shape) != shape:
+                problems.append(
+                    f"local tensor {local!r}: shape {list(t.shape)}, the layout gives {list(shape)}"
+                )
+            elif not t.is_contiguous():
+                problems.append(f"local tensor {local!r}: not contiguous")
+            elif dtypes is not None:
+                want = {dtypes[n] for n in self.local_sources[local] if n in dtypes}
+                if want and want != {dtype_name(t.dtype)}:
+                    problems.append(
+                        f"local tensor {local!r}: dtype {dtype_name(t.dtype)}, the global "
+                        f"tensors it holds are {sorted(want)}"
+                    )
+        if problems:
+            raise LayoutError(
+                f"local tensors do not fit the layout ({len(problems)} problems): "
+                + "; ".join(problems[:6])
+            )
 
     def boxes(self) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
         """Global name -> ``(offset, lengths)`` of every box held here, in global dims."""

@@ -291,3 +291,18 @@ def test_delta_applies_bit_exact_through_two_rank_layout(tmp_path: Path) -> None
         assert sub.tensors is not None
         for name, want in expected(state).items():
             assert torch.equal(sub.tensors[name].view(torch.int16), want.view(torch.int16))
+
+
+def test_padding_only_rank_is_allocated_with_its_sources_dtype(tmp_path: Path) -> None:
+    """A vocab of 96 rows over 4 ranks of 32: rank 3 holds only padding, yet gets a tensor."""
+    table = {"e": torch.randn(96, 8).to(torch.bfloat16)}
+    Publisher(tmp_path).publish(table, version=1)
+    layout = Layout({f"r{r}/e": shard("e", 0, r, 4, block=32) for r in range(4)})
+    sub = Subscriber(tmp_path, layout=layout)
+    sub.sync()
+    assert sub.tensors is not None
+    assert {n: (t.dtype, tuple(t.shape)) for n, t in sub.tensors.items()} == {
+        f"r{r}/e": (torch.bfloat16, (32, 8)) for r in range(4)
+    }
+    assert torch.equal(sub.tensors["r2/e"].view(torch.int16), table["e"][64:].view(torch.int16))
+    assert not sub.tensors["r3/e"].view(torch.int16).any()
