@@ -17,6 +17,7 @@ import torch
 
 from deltastore import (
     ChainError,
+    Layout,
     ManifestError,
     RowSlice,
     ShardWriter,
@@ -25,6 +26,7 @@ from deltastore import (
     VersionNotCommittedError,
     WrongParentError,
     commit_parts,
+    shard,
 )
 from deltastore.manifest import Manifest, manifest_key, parse_latest, parse_manifest
 from deltastore.sharded import abort_key, part_key, parts_prefix
@@ -146,6 +148,39 @@ def delta_reaches_a_new_subscriber(
     assert_bit_exact(full, sub.tensors)
 
 
+def tp2_layout() -> Layout:
+    """Both ranks of a TP-2 engine in one process: column shards on dim 0 (padded blocks for odd
+    row counts), a row-parallel shard on dim 1, replicated 1-D/0-dim/empty tensors."""
+    parts: dict[str, Any] = {}
+    for r in range(2):
+        for name, (rows, _) in ((n, s) for n, s in SHAPES.items() if len(s) == 2):
+            parts[f"tp{r}.{name}"] = (
+                shard(name, 1, r, 2)
+                if name == "mlp.down.weight"
+                else shard(name, 0, r, 2, block=-(-rows // 2))
+            )
+        for name in ("norm.weight", "scale", "empty"):
+            parts[f"tp{r}.{name}"] = name
+    return Layout(parts)
+
+
+def assert_tp2_exact(full: Tensors, got: Tensors | None) -> None:
+    """The TP-2 tensors equal a re-sharding of ``full`` by plain torch ops (padding zero)."""
+    assert got is not None
+    for r in range(2):
+        for name, t in full.items():
+            if name == "mlp.down.weight":
+                want = t.chunk(2, 1)[r]
+            elif t.dim() == 2:
+                block = -(-t.shape[0] // 2)
+                want = torch.zeros(block, t.shape[1], dtype=t.dtype)
+                rows = t[r * block : (r + 1) * block]
+                want[: rows.shape[0]] = rows
+            else:
+                want = t
+            assert np.array_equal(bits(got[f"tp{r}.{name}"]), bits(want)), (r, name)
+
+
 def no_commit(store: Path, version: int) -> None:
     assert not (store / manifest_key(version)).exists()
     assert (store / abort_key(version)).exists()
@@ -158,6 +193,7 @@ def test_two_writers_anchor_then_deltas_bit_exact(tmp_path: Path) -> None:
     store = tmp_path / "store"
     ws = writers(store)
     sub = Subscriber(store)
+    tp2 = Subscriber(store, layout=tp2_layout())
     states = [model(0)]
     for v in range(1, 6):
         if v > 1:
@@ -177,6 +213,8 @@ def test_two_writers_anchor_then_deltas_bit_exact(tmp_path: Path) -> None:
         report = sub.sync()
         assert report.version == v and report.applied == (v,)
         assert_bit_exact(states[-1], sub.tensors)
+        assert tp2.sync().applied == (v,)
+        assert_tp2_exact(states[-1], tp2.tensors)
         # every writer's frames sit under the version's data prefix, named with its token
         objects = {f.object for e in manifest.tensors.values() for f in e.frames}
         assert {o.split("/")[-1][:12] for o in objects} == {w.token[:12] for w in ws}
@@ -384,6 +422,9 @@ def test_two_processes_publish_one_version(tmp_path: Path) -> None:
     sub.sync()
     assert sub.version == 1
     assert_bit_exact(v1, sub.tensors)
+    tp2 = Subscriber(store, layout=tp2_layout())  # an engine at TP 2 applies it bit-exact
+    tp2.sync()
+    assert_tp2_exact(v1, tp2.tensors)
     writer.publish(slices(step(v1, seed=14), 0), version=2)
     with pytest.raises(VersionNotCommittedError, match=r"rank 1\)"):
         commit_parts(store, version=2, world=WORLD, timeout_s=0.3)
