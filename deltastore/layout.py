@@ -451,7 +451,7 @@ def _sources(part: Part) -> list[str]:
 @dataclass(frozen=True)
 class BoundLayout:
     """A layout resolved against global shapes: global name -> placements, in declaration
-    order (the first placement of an element is the one whose changes are checksummed)."""
+    order, and for each local tensor the global tensors its expression names (``local_sources``)."""
 
     placements: Mapping[str, list[Placement]]
     local_shapes: Mapping[str, tuple[int, ...]]
