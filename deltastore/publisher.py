@@ -11,7 +11,6 @@ version is committed, so a failed publish leaves the publisher at the previous v
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -20,49 +19,37 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any, Literal
 
 import numpy as np
 import torch
 import xxhash
 
+from deltastore._commit import advance_latest, check_version_number, commit_manifest, head_version
 from deltastore._ratios import SizeRatios
 from deltastore._snapshot import DiskSnapshot, MemorySnapshot, TensorState, WriterState, row_range
 from deltastore._tables import check_table, raise_if_mismatched
-from deltastore._version import __version__
-from deltastore.checksum import adler32, combine
+from deltastore.checksum import adler32, apply_delta, combine, delta_sums
 from deltastore.codecs import RAW, FrameEncoder
 from deltastore.dtypes import dtype_name, np_words
 from deltastore.errors import (
     ChainError,
-    DeltastoreError,
-    ManifestError,
     ManifestNotFoundError,
     ObjectNotFoundError,
     TensorMismatchError,
     VersionOrderError,
 )
 from deltastore.manifest import (
-    LATEST_KEY,
-    MANIFEST_PREFIX,
     MAX_DIMS,
     MAX_ELEMENTS,
-    MAX_MANIFEST_BYTES,
-    MAX_VERSION,
     NAME_PATTERN,
     Frame,
-    Latest,
     Manifest,
     Parent,
     TensorEntry,
-    Writer,
     data_prefix,
     manifest_key,
-    parse_latest,
     parse_manifest,
-    state_digest,
-    version_of_key,
 )
 from deltastore.progress import ProgressFn, Ticker
 from deltastore.store import Store, open_store
@@ -160,83 +147,6 @@ class _PackWriter:
         self._store.put(self.key, b"".join(self._parts))
         self._pending.upload_s += time.perf_counter() - t0
         self._parts, self._size, self._seq = [], 0, self._seq + 1
-
-
-# --- the commit protocol, shared with deltastore.sharded ---------------------------------
-
-
-def head_version(store: Store) -> int | None:
-    """The store's newest committed version (by listing ``manifests/``), or None."""
-    versions = [v for k in store.list(MANIFEST_PREFIX) if (v := version_of_key(k)) is not None]
-    return max(versions, default=None)
-
-
-def check_version_number(version: object) -> None:
-    """:class:`VersionOrderError` unless ``version`` is an integer in ``[0, MAX_VERSION]``."""
-    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
-        raise VersionOrderError(
-            f"version must be an integer in [0, {MAX_VERSION}], got {version!r}"
-        )
-
-
-def commit_manifest(
-    store: Store,
-    *,
-    version: int,
-    kind: Literal["anchor", "delta"],
-    parent: Parent | None,
-    entries: dict[str, TensorEntry],
-    token: str,
-) -> tuple[Manifest, bytes]:
-    """Build the manifest of ``version`` and create it with ``put_if_absent`` (the commit
-    point); returns it and its bytes. Nothing is written when the model rejects it
-    (``ValidationError``) or it is over the size readers accept (:class:`ManifestError`);
-    :class:`VersionExistsError` when another writer committed the version first."""
-    manifest = Manifest(
-        format_version=1,
-        version=version,
-        kind=kind,
-        parent=parent,
-        state_digest=state_digest((n, e.dtype, e.shape, e.adler32) for n, e in entries.items()),
-        created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-        writer=Writer(token=token, library=f"deltastore {__version__}"),
-        tensors=entries,
-    )
-    body = manifest.to_bytes()
-    if len(body) > MAX_MANIFEST_BYTES:
-        raise ManifestError(
-            f"the manifest would be {len(body)} bytes, over the {MAX_MANIFEST_BYTES} readers "
-            "accept; raise max_frame_bytes to write fewer frames"
-        )
-    store.put_if_absent(manifest_key(version), body)
-    return manifest, body
-
-
-def advance_latest(store: Store, version: int, body: bytes) -> None:
-    """Move ``LATEST`` forward with compare-and-swap; never backwards. Best effort: the
-    manifest is already committed and readers can always list ``manifests/``."""
-    latest = Latest(
-        format_version=1,
-        version=version,
-        manifest=manifest_key(version),
-        sha256=hashlib.sha256(body).hexdigest(),
-    )
-    for _ in range(8):
-        try:
-            current = store.get_with_token(LATEST_KEY)
-            if current is not None:
-                try:
-                    if parse_latest(current[0]).version >= version:
-                        return
-                except DeltastoreError:
-                    pass  # a damaged hint is simply replaced
-            store.put_if_match(
-                LATEST_KEY, latest.model_dump_json().encode(), current[1] if current else None
-            )
-            return
-        except DeltastoreError as exc:
-            log.debug("LATEST update retry after %s", exc)
-    log.warning("version %d is committed but LATEST could not be advanced", version)
 
 
 class _ChainWriter:
@@ -402,10 +312,12 @@ class _ChainWriter:
             if kind == "delta" and changed == 0 and prev is not None:
                 fa = prev.frame_adler[i]
             else:
-                fa = adler32(new)
                 if kind == "delta" and prev is not None and pos is not None:
-                    codec, data = self._encoder.encode_delta(prev.words[a:b], new, pos)
+                    old = prev.words[a:b]
+                    fa = self._frame_adler(prev.frame_adler[i], old, new, pos)
+                    codec, data = self._encoder.encode_delta(old, new, pos)
                 else:
+                    fa = adler32(new)
                     codec, data = RAW, self._encoder.raw(new)
                 pending.encode_s += time.perf_counter() - t1
                 obj, offset = packs.add(data)  # may upload a full object (timed as upload)
@@ -441,6 +353,14 @@ class _ChainWriter:
             changed=changed_total,
             frames=frames,
         )
+
+    @staticmethod
+    def _frame_adler(parent: int, old: np.ndarray, new: np.ndarray, pos: np.ndarray) -> int:
+        """Adler-32 of the frame's new words: O(changed) from the parent's (the snapshot was
+        checked against it), or a full pass where most words changed and that is cheaper."""
+        if pos.size * 8 > new.size:
+            return adler32(new)
+        return apply_delta(parent, *delta_sums(pos, old[pos], new[pos], new.nbytes))
 
     def _diff(self, old: np.ndarray, new: np.ndarray) -> np.ndarray:
         """Frame-local indices where the words differ (reused bool buffer)."""

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from deltastore._commit import advance_latest, check_version_number, commit_manifest, head_version
 from deltastore._snapshot import row_range
 from deltastore._version import __version__
 from deltastore.checksum import adler32, combine
@@ -69,16 +70,7 @@ from deltastore.manifest import (
     parse_manifest,
 )
 from deltastore.progress import ProgressFn
-from deltastore.publisher import (
-    PublishReport,
-    _ChainWriter,
-    _Pending,
-    advance_latest,
-    check_version_number,
-    commit_manifest,
-    head_version,
-    table_entry,
-)
+from deltastore.publisher import PublishReport, _ChainWriter, _Pending, table_entry
 from deltastore.store import Store, open_store
 
 log = logging.getLogger(__name__)

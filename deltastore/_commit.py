@@ -1,0 +1,108 @@
+"""The commit protocol shared by :class:`~deltastore.publisher.Publisher` and the sharded
+writers: the store's head, version numbers, creating a manifest (the commit point) and
+advancing ``LATEST``. Functions are stateless; each store call is one request."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from datetime import datetime, timezone
+from typing import Literal
+
+from deltastore._version import __version__
+from deltastore.errors import DeltastoreError, ManifestError, VersionOrderError
+from deltastore.manifest import (
+    LATEST_KEY,
+    MANIFEST_PREFIX,
+    MAX_MANIFEST_BYTES,
+    MAX_VERSION,
+    Latest,
+    Manifest,
+    Parent,
+    TensorEntry,
+    Writer,
+    manifest_key,
+    parse_latest,
+    state_digest,
+    version_of_key,
+)
+from deltastore.store import Store
+
+log = logging.getLogger("deltastore.publisher")
+
+
+def head_version(store: Store) -> int | None:
+    """The store's newest committed version (by listing ``manifests/``), or None."""
+    versions = [v for k in store.list(MANIFEST_PREFIX) if (v := version_of_key(k)) is not None]
+    return max(versions, default=None)
+
+
+def check_version_number(version: object) -> None:
+    """:class:`VersionOrderError` unless ``version`` is an integer in ``[0, MAX_VERSION]``."""
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+        raise VersionOrderError(
+            f"version must be an integer in [0, {MAX_VERSION}], got {version!r}"
+        )
+
+
+def commit_manifest(
+    store: Store,
+    *,
+    version: int,
+    kind: Literal["anchor", "delta"],
+    parent: Parent | None,
+    entries: dict[str, TensorEntry],
+    token: str,
+) -> tuple[Manifest, bytes]:
+    """Build the manifest of ``version`` and create it with ``put_if_absent`` (the commit
+    point); returns it and its bytes. Nothing is written when the model rejects it
+    (``ValidationError``) or it is over the size readers accept (:class:`ManifestError`);
+    :class:`VersionExistsError` when another writer committed the version first."""
+    manifest = Manifest(
+        format_version=1,
+        version=version,
+        kind=kind,
+        parent=parent,
+        state_digest=state_digest((n, e.dtype, e.shape, e.adler32) for n, e in entries.items()),
+        created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        writer=Writer(token=token, library=f"deltastore {__version__}"),
+        tensors=entries,
+    )
+    body = manifest.to_bytes()
+    if len(body) > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            f"the manifest would be {len(body)} bytes, over the {MAX_MANIFEST_BYTES} readers "
+            "accept; raise max_frame_bytes to write fewer frames"
+        )
+    store.put_if_absent(manifest_key(version), body)
+    return manifest, body
+
+
+def advance_latest(store: Store, version: int, body: bytes) -> None:
+    """Move ``LATEST`` forward with compare-and-swap; never backwards. Best effort: the
+    manifest is already committed and readers can always list ``manifests/``."""
+    latest = Latest(
+        format_version=1,
+        version=version,
+        manifest=manifest_key(version),
+        sha256=hashlib.sha256(body).hexdigest(),
+    )
+    for _ in range(8):
+        try:
+            current = store.get_with_token(LATEST_KEY)
+            if current is not None:
+                try:
+                    if parse_latest(current[0]).version >= version:
+                        return
+                except DeltastoreError:
+                    pass  # a damaged hint is simply replaced
+            store.put_if_match(
+                LATEST_KEY, latest.model_dump_json().encode(), current[1] if current else None
+            )
+            return
+        except DeltastoreError as exc:
+            log.debug("LATEST update retry after %s", exc)
+    log.warning("version %d is committed but LATEST could not be advanced", version)
+
+
+__all__ = ["advance_latest", "check_version_number", "commit_manifest", "head_version"]
