@@ -31,7 +31,7 @@ from deltastore._layout_sync import LayoutSync
 from deltastore._pipeline import Fetcher, Timer
 from deltastore._ratios import SizeRatios
 from deltastore._tables import check_contents, check_table, raise_if_mismatched
-from deltastore._words import gather, gather_range, signed
+from deltastore._words import apply_masks, gather, gather_range, signed
 from deltastore._words import scatter as _scatter  # a module global: tests patch it
 from deltastore.checksum import adler32, apply_delta, combine, delta_sums, shift_to_outer
 from deltastore.codecs import RAW, XOR_SPARSE, FrameDecoder, compress_bound, sparse_bound
@@ -93,12 +93,12 @@ class SyncReport(SizeRatios):
 
 @dataclass
 class _Staged:
-    """Changes of one frame, in tensor-global element positions, plus its Adler-32 sums."""
+    """Changes of one frame: frame-relative int32 positions and XOR masks, its Adler-32 sums."""
 
     name: str
+    start: int
     positions: np.ndarray
-    old: np.ndarray
-    new: np.ndarray
+    masks: np.ndarray
     da: int
     db: int
     frame_adler: int
@@ -481,7 +481,7 @@ class Subscriber:
             sums = delta_sums(pos, old, new, n * size)
             frame_adler = apply_delta(f.parent_adler32, *sums)
         else:
-            parts_pos, parts_old, parts_new = [], [], []
+            parts_pos, parts_old, parts_new, parts_mask = [], [], [], []
             frame_adler = 1
             for first, words in dec.chunks(data, n, size):
                 cur = gather_range(local, f.start + first, words.size, wdt)
@@ -494,7 +494,10 @@ class Subscriber:
                 parts_pos.append(idx + first)
                 parts_old.append(cur[idx])
                 parts_new.append(new_chunk[idx])
-            pos, old, new = (np.concatenate(p) for p in (parts_pos, parts_old, parts_new))
+                parts_mask.append(mask[idx])
+            pos, old, new, masks = (
+                np.concatenate(p) for p in (parts_pos, parts_old, parts_new, parts_mask)
+            )
             sums = delta_sums(pos, old, new, n * size)
             if delta and pos.size != f.changed:  # an anchor may land on any older state
                 raise FrameError(
@@ -508,22 +511,21 @@ class Subscriber:
                 "or the frame is damaged"
             )
         da, db = shift_to_outer(*sums, n * size, f.start * size, entry.nbytes)
-        return _Staged(name, pos + f.start, old, new, da, db, frame_adler)
+        return _Staged(name, f.start, pos.astype(np.int32), masks, da, db, frame_adler)
 
     def _scatter(self, staged: list[_Staged]) -> None:
-        """Write the staged new words; on any error restore the old words and re-raise."""
+        """Write the staged changes; on any error restore the old words and re-raise."""
         if self._tensors is None:  # pragma: no cover - guarded by _apply
             return
-        done: list[_Staged] = []
-        try:
-            for s in staged:
-                done.append(s)  # before the write: a scatter that fails halfway is undone too
-                if s.positions.size:
-                    _scatter(flat_words(self._tensors[s.name]), s.positions, s.new)
-        except BaseException:
-            for s in reversed(done):
-                _scatter(flat_words(self._tensors[s.name]), s.positions, s.old)
-            raise
+        tensors = self._tensors
+        apply_masks(
+            [
+                (flat_words(tensors[s.name])[s.start :], s.positions, s.masks)
+                for s in staged
+                if s.positions.size
+            ],
+            _scatter,
+        )
 
     def _bootstrap(self, m: Manifest, timer: Timer) -> float:
         """Fill tensors from an anchor: into new tensors, or into handed-over buffers."""
