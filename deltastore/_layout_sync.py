@@ -35,7 +35,7 @@ import torch
 
 from deltastore._group import Group
 from deltastore._pipeline import Fetcher, Timer
-from deltastore._words import apply_masks, gather, gather_range, scatter_range, undo_masks
+from deltastore._words import gather, gather_range, restore_all, scatter_range, write_all
 from deltastore.checksum import INVERSE, MOD, adler32, apply_delta, delta_sums, shift_to_outer
 from deltastore.codecs import RAW, XOR_SPARSE, FrameDecoder
 from deltastore.dtypes import dtype_from_name, flat_words, itemsize, word_dtype
@@ -87,7 +87,8 @@ class Segment:
 class _Write:
     local: str
     positions: np.ndarray
-    masks: np.ndarray
+    old: np.ndarray
+    new: np.ndarray
 
 
 def zero_adler(nbytes: int) -> int:
@@ -462,7 +463,7 @@ class LayoutSync:
                 old = gather(words, local, wdt)
                 new = vals if seg.raw else old ^ vals
                 ch = np.flatnonzero(new != old)
-                writes.append(_Write(p.local, local[ch], old[ch] ^ new[ch]))
+                writes.append(_Write(p.local, local[ch], old[ch], new[ch]))
             da, db = delta_sums(seg.positions[idx], old, new, entry.nbytes, weights)
             sums[2 * seg.tensor] += da
             sums[2 * seg.tensor + 1] += db
@@ -511,7 +512,7 @@ class LayoutSync:
             else:
                 old = gather_range(words, at, b - a, new.dtype)
                 ch = np.flatnonzero(old != new)
-                writes.append(_Write(p.local, ch + at, old[ch] ^ new[ch]))
+                writes.append(_Write(p.local, ch + at, old[ch], new[ch]))
                 da, db = delta_sums(ch + a, old[ch], new[ch], entry.nbytes)
             sums[2 * seg.tensor] += da * int(INVERSE[k]) % MOD
             sums[2 * seg.tensor + 1] += db * int(INVERSE[k]) % MOD
@@ -593,13 +594,13 @@ class LayoutSync:
             pause()
         try:
             items = [
-                (flat_words(tensors[w.local]), w.positions, w.masks)
+                (flat_words(tensors[w.local]), w.positions, w.old, w.new)
                 for w in writes
                 if w.positions.size
             ]
             error: BaseException | None = None
             try:
-                apply_masks(items, self._scatter)  # all or nothing on this rank
+                write_all(items, self._scatter)  # all or nothing on this rank
             except Exception as exc:
                 error = exc
             flags = np.zeros(self.group.world, dtype=np.int64)
@@ -608,7 +609,7 @@ class LayoutSync:
             if failed.size:
                 if error is not None:
                     raise error
-                undo_masks(items, self._scatter)
+                restore_all(items, self._scatter)
                 raise RankError(
                     f"rank(s) {failed.tolist()} failed to write; every rank restored its tensors"
                 )

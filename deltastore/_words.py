@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-#: One write: words of a tensor (1-D), int32/int64 positions in it, XOR masks to apply there.
-MaskWrite = tuple[torch.Tensor, np.ndarray, np.ndarray]
+#: One write: words of a tensor (1-D), int32/int64 positions in it, old words, new words.
+Write = tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]
 Scatter = Callable[[torch.Tensor, np.ndarray, np.ndarray], None]
 
 
@@ -22,6 +22,7 @@ def signed(size: int) -> np.dtype[Any]:
 
 
 def gather(local: torch.Tensor, positions: np.ndarray, wdt: np.dtype[Any]) -> np.ndarray:
+    positions = positions.astype(np.int64, copy=False)  # numpy indexes 2-3x faster with intp
     if local.device.type == "cpu":
         out: np.ndarray = local.numpy().view(wdt)[positions]
         return out
@@ -37,6 +38,7 @@ def gather_range(local: torch.Tensor, start: int, count: int, wdt: np.dtype[Any]
 
 
 def scatter(local: torch.Tensor, positions: np.ndarray, values: np.ndarray) -> None:
+    positions = positions.astype(np.int64, copy=False)  # numpy indexes 2-3x faster with intp
     if local.device.type == "cpu":
         local.numpy().view(values.dtype)[positions] = values
         return
@@ -54,28 +56,23 @@ def scatter_range(local: torch.Tensor, start: int, values: np.ndarray) -> None:
     local[start : start + values.size].copy_(vals)
 
 
-def apply_masks(writes: Sequence[MaskWrite], scatter_fn: Scatter = scatter) -> None:
-    """XOR each write's masks into its words, all or nothing: if a write fails, the words
-    written so far (that write's included) are restored before the error is re-raised.
+def write_all(writes: Sequence[Write], scatter_fn: Scatter = scatter) -> None:
+    """Scatter each write's new words, all or nothing: if a write fails, every write started
+    (the failing one included) gets its old words back before the error is re-raised.
 
-    Only masks are kept between verification and writing (XOR is its own inverse), so staged
-    changes cost a position and a mask per changed element."""
+    Restoring writes the old words, so it is idempotent: a write that failed halfway is undone
+    like a complete one. The pause is pure scatters; staging keeps 4 + 2 * word bytes per change."""
     done = 0
     try:
-        for local, pos, masks in writes:
-            old = gather(local, pos, masks.dtype)
-            try:
-                scatter_fn(local, pos, old ^ masks)
-            except BaseException:
-                scatter_fn(local, pos, old)
-                raise
-            done += 1
+        for local, pos, _, new in writes:
+            done += 1  # before the write: one that fails halfway is undone too
+            scatter_fn(local, pos, new)
     except BaseException:
-        undo_masks(writes[:done], scatter_fn)
+        restore_all(writes[:done], scatter_fn)
         raise
 
 
-def undo_masks(writes: Sequence[MaskWrite], scatter_fn: Scatter = scatter) -> None:
-    """Undo fully applied :func:`apply_masks` writes (XOR the masks in again), newest first."""
-    for local, pos, masks in reversed(writes):
-        scatter_fn(local, pos, gather(local, pos, masks.dtype) ^ masks)
+def restore_all(writes: Sequence[Write], scatter_fn: Scatter = scatter) -> None:
+    """Put the old words of ``writes`` back, newest first."""
+    for local, pos, old, _ in reversed(writes):
+        scatter_fn(local, pos, old)

@@ -71,6 +71,10 @@ def delta_sums(
         d %= MOD
         jd *= weights
         j_weighted = int((jd % MOD).sum())
+    elif n_bytes * 255 * size * positions.size < 1 << 62:  # no int64 overflow: skip the mods
+        total = int(d.sum())
+        pd = int(np.dot(positions.astype(np.int64, copy=False), d))
+        return total % MOD, (n_bytes * total - size * pd - j_weighted) % MOD
     weight = positions.astype(np.int64) * size
     np.subtract(n_bytes, weight, out=weight)
     weight %= MOD

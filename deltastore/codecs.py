@@ -48,15 +48,26 @@ CHUNK_BYTES = 1 << 20
 
 
 def _planes(words: np.ndarray) -> bytes:
-    """Byte planes of unsigned words: all byte-0s, then all byte-1s, ..."""
+    """Byte planes of unsigned words: all byte-0s, then all byte-1s, ...
+
+    Copied plane by plane (a strided read each): ~10x faster than transposing the whole
+    ``(count, size)`` byte matrix in one go."""
     size = words.dtype.itemsize
-    out: bytes = words.view(np.uint8).reshape(-1, size).T.tobytes()
-    return out
+    src = np.ascontiguousarray(words).view(np.uint8).reshape(-1, size)
+    out = np.empty((size, src.shape[0]), dtype=np.uint8)
+    for j in range(size):
+        out[j] = src[:, j]
+    return out.tobytes()
 
 
 def _unplanes(raw: bytes | memoryview, offset: int, count: int, size: int) -> np.ndarray:
+    """Words from ``size`` byte planes of ``count`` bytes at ``offset`` (plane by plane)."""
     planes = np.frombuffer(raw, dtype=np.uint8, count=count * size, offset=offset)
-    return np.ascontiguousarray(planes.reshape(size, count).T).view(word_dtype(size)).reshape(-1)
+    out = np.empty(count, dtype=word_dtype(size))
+    dst = out.view(np.uint8).reshape(count, size)
+    for j in range(size):
+        dst[:, j] = planes[j * count : (j + 1) * count]
+    return out
 
 
 def compress_bound(n: int) -> int:
@@ -111,18 +122,25 @@ class FrameEncoder:
         width = 1 if top < 1 << 8 else 2 if top < 1 << 16 else 4
         header = k.to_bytes(4, "little") + bytes((width, 0, 0, 0))
         body = _planes(gaps.astype(word_dtype(width))) + _planes(masks)
-        return bytes(self._cctx.compress(header + body))
+        return self._cctx.compress(header + body)
 
     def encode_delta(
-        self, old: np.ndarray, new: np.ndarray, positions: np.ndarray
+        self,
+        old: np.ndarray,
+        new: np.ndarray,
+        positions: np.ndarray,
+        *,
+        masks: np.ndarray | None = None,
     ) -> tuple[Codec, bytes]:
         """Pick the smallest encoding of a changed frame.
 
         ``old``/``new`` are the frame's words, ``positions`` the frame-local indices where they
-        differ (non-empty). ``xor-sparse`` is always tried; ``xor-dense`` and ``raw`` only when
-        more than 1/16 of the elements changed, where they can win.
+        differ (non-empty), ``masks`` (optional, computed if None) ``old ^ new`` there.
+        ``xor-sparse`` is always tried; ``xor-dense`` and ``raw`` only when more than 1/16 of
+        the elements changed, where they can win.
         """
-        masks = old[positions] ^ new[positions]
+        if masks is None:
+            masks = old[positions] ^ new[positions]
         best: tuple[Codec, bytes] = (XOR_SPARSE, self.xor_sparse(positions, masks))
         if positions.size * 16 > new.size:
             cands: tuple[tuple[Codec, bytes], ...] = (

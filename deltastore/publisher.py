@@ -309,13 +309,15 @@ class _ChainWriter:
             pending.detect_s += t1 - t0
             changed = b - a if pos is None else int(pos.size)
             parent_adler = prev.frame_adler[i] if prev is not None else None
+            new_at = None  # the new words at pos, gathered once
             if kind == "delta" and changed == 0 and prev is not None:
                 fa = prev.frame_adler[i]
             else:
                 if kind == "delta" and prev is not None and pos is not None:
                     old = prev.words[a:b]
-                    fa = self._frame_adler(prev.frame_adler[i], old, new, pos)
-                    codec, data = self._encoder.encode_delta(old, new, pos)
+                    old_at, new_at = old[pos], new[pos]
+                    fa = self._frame_adler(prev.frame_adler[i], new, pos, old_at, new_at)
+                    codec, data = self._encoder.encode_delta(old, new, pos, masks=old_at ^ new_at)
                 else:
                     fa = adler32(new)
                     codec, data = RAW, self._encoder.raw(new)
@@ -338,7 +340,9 @@ class _ChainWriter:
                 )
                 pending.codecs[codec] = pending.codecs.get(codec, 0) + 1
             if prev is not None and pos is not None and pos.size:
-                pending.updates.append((prev.words, pos + a, new[pos]))
+                pending.updates.append(
+                    (prev.words, pos + a, new[pos] if new_at is None else new_at)
+                )
             pending.encode_s += time.perf_counter() - t1
             frame_adler.append(fa)
             ticker.tick(new.nbytes)
@@ -355,12 +359,14 @@ class _ChainWriter:
         )
 
     @staticmethod
-    def _frame_adler(parent: int, old: np.ndarray, new: np.ndarray, pos: np.ndarray) -> int:
+    def _frame_adler(
+        parent: int, new: np.ndarray, pos: np.ndarray, old_at: np.ndarray, new_at: np.ndarray
+    ) -> int:
         """Adler-32 of the frame's new words: O(changed) from the parent's (the snapshot was
         checked against it), or a full pass where most words changed and that is cheaper."""
         if pos.size * 8 > new.size:
             return adler32(new)
-        return apply_delta(parent, *delta_sums(pos, old[pos], new[pos], new.nbytes))
+        return apply_delta(parent, *delta_sums(pos, old_at, new_at, new.nbytes))
 
     def _diff(self, old: np.ndarray, new: np.ndarray) -> np.ndarray:
         """Frame-local indices where the words differ (reused bool buffer)."""

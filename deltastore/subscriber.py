@@ -31,7 +31,7 @@ from deltastore._layout_sync import LayoutSync
 from deltastore._pipeline import Fetcher, Timer
 from deltastore._ratios import SizeRatios
 from deltastore._tables import check_contents, check_table, raise_if_mismatched
-from deltastore._words import apply_masks, gather, gather_range, signed
+from deltastore._words import gather, gather_range, signed, write_all
 from deltastore._words import scatter as _scatter  # a module global: tests patch it
 from deltastore.checksum import adler32, apply_delta, combine, delta_sums, shift_to_outer
 from deltastore.codecs import RAW, XOR_SPARSE, FrameDecoder, compress_bound, sparse_bound
@@ -93,12 +93,13 @@ class SyncReport(SizeRatios):
 
 @dataclass
 class _Staged:
-    """Changes of one frame: frame-relative int32 positions and XOR masks, its Adler-32 sums."""
+    """Changes of one frame: frame-relative int32 positions, old and new words, Adler-32 sums."""
 
     name: str
     start: int
     positions: np.ndarray
-    masks: np.ndarray
+    old: np.ndarray
+    new: np.ndarray
     da: int
     db: int
     frame_adler: int
@@ -481,7 +482,7 @@ class Subscriber:
             sums = delta_sums(pos, old, new, n * size)
             frame_adler = apply_delta(f.parent_adler32, *sums)
         else:
-            parts_pos, parts_old, parts_new, parts_mask = [], [], [], []
+            parts_pos, parts_old, parts_new = [], [], []
             frame_adler = 1
             for first, words in dec.chunks(data, n, size):
                 cur = gather_range(local, f.start + first, words.size, wdt)
@@ -494,10 +495,7 @@ class Subscriber:
                 parts_pos.append(idx + first)
                 parts_old.append(cur[idx])
                 parts_new.append(new_chunk[idx])
-                parts_mask.append(mask[idx])
-            pos, old, new, masks = (
-                np.concatenate(p) for p in (parts_pos, parts_old, parts_new, parts_mask)
-            )
+            pos, old, new = (np.concatenate(p) for p in (parts_pos, parts_old, parts_new))
             sums = delta_sums(pos, old, new, n * size)
             if delta and pos.size != f.changed:  # an anchor may land on any older state
                 raise FrameError(
@@ -511,16 +509,16 @@ class Subscriber:
                 "or the frame is damaged"
             )
         da, db = shift_to_outer(*sums, n * size, f.start * size, entry.nbytes)
-        return _Staged(name, f.start, pos.astype(np.int32), masks, da, db, frame_adler)
+        return _Staged(name, f.start, pos.astype(np.int32), old, new, da, db, frame_adler)
 
     def _scatter(self, staged: list[_Staged]) -> None:
         """Write the staged changes; on any error restore the old words and re-raise."""
         if self._tensors is None:  # pragma: no cover - guarded by _apply
             return
         tensors = self._tensors
-        apply_masks(
+        write_all(
             [
-                (flat_words(tensors[s.name])[s.start :], s.positions, s.masks)
+                (flat_words(tensors[s.name])[s.start :], s.positions, s.old, s.new)
                 for s in staged
                 if s.positions.size
             ],

@@ -501,7 +501,12 @@ def forced_codecs() -> Any:
     order = itertools.cycle([XOR_DENSE, RAW, XOR_SPARSE])
 
     def encode_delta(
-        self: FrameEncoder, old: np.ndarray, new: np.ndarray, positions: np.ndarray
+        self: FrameEncoder,
+        old: np.ndarray,
+        new: np.ndarray,
+        positions: np.ndarray,
+        *,
+        masks: np.ndarray | None = None,
     ) -> tuple[str, bytes]:
         codec = next(order)
         if codec == XOR_SPARSE:
