@@ -10,7 +10,14 @@ from datetime import datetime, timezone
 from typing import Literal
 
 from deltastore._version import __version__
-from deltastore.errors import DeltastoreError, ManifestError, VersionOrderError
+from deltastore.errors import (
+    ChainError,
+    DeltastoreError,
+    ManifestError,
+    StoreError,
+    VersionExistsError,
+    VersionOrderError,
+)
 from deltastore.manifest import (
     LATEST_KEY,
     MANIFEST_PREFIX,
@@ -57,7 +64,13 @@ def commit_manifest(
     """Build the manifest of ``version`` and create it with ``put_if_absent`` (the commit
     point); returns it and its bytes. Nothing is written when the model rejects it
     (``ValidationError``) or it is over the size readers accept (:class:`ManifestError`);
-    :class:`VersionExistsError` when another writer committed the version first."""
+    :class:`VersionExistsError` when another writer committed the version first.
+
+    When the create raises a :class:`StoreError` (a lost response; or a retry of the request
+    that finds the first attempt's object), the manifest is read back: if it holds exactly
+    these bytes, the version is committed by this writer and the call succeeds; otherwise
+    the error is raised (the version is not this writer's; when even the read-back fails,
+    whether it is committed is unknown: see docs/guide.md, Several publishers)."""
     manifest = Manifest(
         format_version=1,
         version=version,
@@ -74,8 +87,53 @@ def commit_manifest(
             f"the manifest would be {len(body)} bytes, over the {MAX_MANIFEST_BYTES} readers "
             "accept; raise max_frame_bytes to write fewer frames"
         )
-    store.put_if_absent(manifest_key(version), body)
+    key = manifest_key(version)
+    try:
+        store.put_if_absent(key, body)
+    except StoreError:
+        # A lost response (or a retry that found our own first attempt): read the key back.
+        # The body holds this writer's random token and a timestamp, so equal bytes are ours.
+        if not _is_ours(store, key, body):
+            raise
+        log.info("version %d: the manifest create failed but the manifest is ours", version)
     return manifest, body
+
+
+def _is_ours(store: Store, key: str, body: bytes) -> bool:
+    try:
+        return store.get(key) == body
+    except DeltastoreError as exc:
+        log.warning("%s: commit state unknown, the manifest cannot be read back (%s)", key, exc)
+        return False
+
+
+def check_head(store: Store, version: int, parent: Parent | None) -> None:
+    """Right before the commit: raise unless ``version`` would still extend the chain's head.
+
+    Lists the manifests after ``parent`` (all of them for an anchor without a parent):
+    :class:`VersionExistsError` when ``version`` is committed already,
+    :class:`VersionOrderError` when a newer version is, :class:`ChainError` when another
+    version was committed on ``parent`` (it is no longer the head). A version committed
+    between this listing and the manifest create is not seen (docs/guide.md, Several
+    publishers)."""
+    after = manifest_key(parent.version) if parent is not None else ""
+    keys = store.list_after(MANIFEST_PREFIX, after)
+    newer = {v for k in keys if (v := version_of_key(k)) is not None}
+    if version in newer:
+        raise VersionExistsError(
+            f"version {version} was committed by another writer in store {store.url}"
+        )
+    if max(newer, default=-1) > version:
+        raise VersionOrderError(
+            f"version {max(newer)} was committed in store {store.url} while version {version} "
+            "was being written; versions must increase strictly, nothing was committed"
+        )
+    if parent is not None and newer:
+        raise ChainError(
+            f"version {max(newer)} was committed on top of version {parent.version} while "
+            f"version {version} was being written with it as parent; nothing was committed: "
+            "attach() to the store again (CLI: --parent) or publish an anchor"
+        )
 
 
 def advance_latest(store: Store, version: int, body: bytes) -> None:
@@ -105,4 +163,10 @@ def advance_latest(store: Store, version: int, body: bytes) -> None:
     log.warning("version %d is committed but LATEST could not be advanced", version)
 
 
-__all__ = ["advance_latest", "check_version_number", "commit_manifest", "head_version"]
+__all__ = [
+    "advance_latest",
+    "check_head",
+    "check_version_number",
+    "commit_manifest",
+    "head_version",
+]

@@ -25,7 +25,13 @@ import numpy as np
 import torch
 import xxhash
 
-from deltastore._commit import advance_latest, check_version_number, commit_manifest, head_version
+from deltastore._commit import (
+    advance_latest,
+    check_head,
+    check_version_number,
+    commit_manifest,
+    head_version,
+)
 from deltastore._ratios import SizeRatios
 from deltastore._snapshot import DiskSnapshot, MemorySnapshot, TensorState, WriterState, row_range
 from deltastore._tables import check_table, raise_if_mismatched
@@ -475,7 +481,8 @@ class Publisher(_ChainWriter):
         write one. ``progress`` is called after each frame (dense bytes). Tensors must not be
         modified during the call. Raises
         :class:`VersionOrderError` for a version not above the chain head and
-        :class:`VersionExistsError` when another writer committed ``version`` first.
+        :class:`VersionExistsError` when another writer committed ``version`` first;
+        :class:`ChainError` when another writer committed a version on its parent meanwhile.
         """
         t_start = time.perf_counter()
         self._check_version(version, anchor=bool(anchor))
@@ -496,6 +503,7 @@ class Publisher(_ChainWriter):
         host = {n: np_words(t.detach().cpu().contiguous()) for n, t in tensors.items()}
         pending = self._encode(version, host, table, parent_state, kind, progress)
         t0 = time.perf_counter()
+        check_head(self.store, version, parent)  # a zombie publisher stops here
         manifest, body = commit_manifest(
             self.store,
             version=version,
