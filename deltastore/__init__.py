@@ -30,6 +30,7 @@ from deltastore.manifest import Manifest, parse_manifest
 from deltastore.presets import ModelSpec, hf_shapes, vllm_layout
 from deltastore.publisher import Publisher, PublishReport
 from deltastore.sharded import RowSlice, ShardWriter, commit_parts
+from deltastore.signing import SignatureError, SigningKey
 from deltastore.store import LocalStore, Store, open_store
 from deltastore.subscriber import Subscriber, SyncReport
 
@@ -53,6 +54,8 @@ __all__ = [
     "RankError",
     "RowSlice",
     "ShardWriter",
+    "SignatureError",
+    "SigningKey",
     "Store",
     "StoreError",
     "Subscriber",

@@ -33,6 +33,7 @@ from deltastore.manifest import (
     state_digest,
     version_of_key,
 )
+from deltastore.signing import SigningKey, sign_manifest
 from deltastore.store import Store
 
 log = logging.getLogger("deltastore.publisher")
@@ -60,11 +61,13 @@ def commit_manifest(
     parent: Parent | None,
     entries: dict[str, TensorEntry],
     token: str,
+    signing_key: SigningKey | None = None,
 ) -> tuple[Manifest, bytes]:
-    """Build the manifest of ``version`` and create it with ``put_if_absent`` (the commit
-    point); returns it and its bytes. Nothing is written when the model rejects it
-    (``ValidationError``) or it is over the size readers accept (:class:`ManifestError`);
-    :class:`VersionExistsError` when another writer committed the version first.
+    """Build the manifest of ``version`` (signed with ``signing_key`` when given) and create it
+    with ``put_if_absent`` (the commit point); returns it and its bytes. Nothing is written
+    when the model rejects it (``ValidationError``) or it is over the size readers accept
+    (:class:`ManifestError`); :class:`VersionExistsError` when another writer committed the
+    version first.
 
     When the create raises a :class:`StoreError` (a lost response; or a retry of the request
     that finds the first attempt's object), the manifest is read back: if it holds exactly
@@ -81,6 +84,8 @@ def commit_manifest(
         writer=Writer(token=token, library=f"deltastore {__version__}"),
         tensors=entries,
     )
+    if signing_key is not None:
+        manifest = sign_manifest(manifest, signing_key)
     body = manifest.to_bytes()
     if len(body) > MAX_MANIFEST_BYTES:
         raise ManifestError(

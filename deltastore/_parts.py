@@ -48,6 +48,7 @@ from deltastore.manifest import (
     manifest_key,
     parse_manifest,
 )
+from deltastore.signing import FROM_ENV, KeyOption, resolve_keys
 from deltastore.store import Store, open_store
 
 log = logging.getLogger("deltastore.sharded")
@@ -209,6 +210,7 @@ def commit_parts(
     timeout_s: float = 60.0,
     poll_s: float = 0.05,
     storage_options: dict[str, Any] | None = None,
+    signing_key: KeyOption = FROM_ENV,
 ) -> Manifest:
     """Commit ``version`` from the parts of writers ``0 .. world - 1``; returns its manifest.
 
@@ -223,11 +225,13 @@ def commit_parts(
     different parents, or the parent is not the store's newest version),
     :class:`WrongParentError` (the parent's digest or a tensor's Adler-32 is not what the
     writers' snapshots started from), :class:`VersionOrderError`. :class:`VersionExistsError`
-    when ``version`` is committed already (nothing is aborted then).
+    when ``version`` is committed already (nothing is aborted then). ``signing_key`` signs
+    the manifest (default: ``DELTASTORE_SIGNING_KEY`` if set; None: unsigned).
     """
     check_version_number(version)
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive integer, got {world!r}")
+    keys = resolve_keys(signing_key)
     store = open_store(url, storage_options)
     store.check_conditional_writes()
     _check_open(store, version)
@@ -244,6 +248,7 @@ def commit_parts(
             parent=parent,
             entries=entries,
             token=parts[0].token,
+            signing_key=keys[0] if keys else None,
         )
     except VersionExistsError:
         raise

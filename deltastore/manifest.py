@@ -6,6 +6,9 @@ Parsing is strict (``extra="forbid"``, no type coercion) and checks every invari
 ``docs/spec/format-v1.md`` that can be checked without the data. Models are frozen and safe to
 share between threads.
 
+A manifest may carry a ``signature`` (HMAC-SHA256 over :meth:`Manifest.canonical_bytes`, see
+:mod:`deltastore.signing`); it is the one optional field, absent in unsigned manifests.
+
 ``python -m deltastore.schema --write PATH`` regenerates the JSON Schema (``make schema``).
 """
 
@@ -18,7 +21,14 @@ import re
 from collections.abc import Iterable
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from deltastore._ratios import SizeRatios
 from deltastore.codecs import Codec
@@ -42,6 +52,8 @@ KEY_PATTERN: Final = rf"^{SEGMENT}(/{SEGMENT})*$"
 OBJECT_PATTERN: Final = rf"^versions/{SEGMENT}(/{SEGMENT})*$"
 _MANIFEST_KEY = re.compile(r"manifests/([0-9]{20})\.json")
 NAME_PATTERN: Final = r"^[^\x00-\x1f\x7f]{1,1024}$"
+#: Key ids of signed manifests: 1 to 64 ASCII letters, digits, ``.``, ``_`` or ``-``.
+KEY_ID_PATTERN: Final = r"^[A-Za-z0-9._-]{1,64}$"
 
 U32 = Annotated[int, Field(ge=0, le=0xFFFFFFFF)]
 Count = Annotated[int, Field(ge=0, le=MAX_ELEMENTS)]
@@ -83,6 +95,13 @@ class Writer(_Model):
 
     token: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
     library: Annotated[str, Field(max_length=64)]
+
+
+class Signature(_Model):
+    """HMAC-SHA256 (hex) of the manifest's canonical bytes with the key named ``key_id``."""
+
+    key_id: Annotated[str, Field(pattern=KEY_ID_PATTERN)]
+    hmac_sha256: Digest
 
 
 class Frame(_Model):
@@ -163,6 +182,15 @@ class Manifest(_Model, SizeRatios):
     ]
     writer: Writer
     tensors: dict[Annotated[str, Field(pattern=NAME_PATTERN)], TensorEntry]
+    #: Optional: absent in an unsigned manifest (never ``null``). Always the last member.
+    signature: Signature | None = None
+
+    @field_validator("signature", mode="before")
+    @classmethod
+    def _not_null(cls, value: object) -> object:
+        if value is None:
+            raise ValueError("signature is an object when present; an unsigned manifest omits it")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> Manifest:
@@ -216,7 +244,14 @@ class Manifest(_Model, SizeRatios):
 
     def to_bytes(self) -> bytes:
         """Serialized manifest (UTF-8 JSON) exactly as committed."""
+        if self.signature is None:
+            return self.canonical_bytes()
         return self.model_dump_json(indent=1).encode() + b"\n"
+
+    def canonical_bytes(self) -> bytes:
+        """The bytes a signature covers: the manifest serialized as :meth:`to_bytes` does,
+        without ``signature`` (spec section 6.7). For an unsigned manifest, its bytes."""
+        return self.model_dump_json(indent=1, exclude={"signature"}).encode() + b"\n"
 
 
 class Latest(_Model):
@@ -299,6 +334,11 @@ def parse_latest(data: bytes) -> Latest:
 def json_schema() -> str:
     """The JSON Schema of :class:`Manifest`, as committed under ``manifests/schema/``."""
     schema = Manifest.model_json_schema()
+    # optional, but never null: omitted from unsigned manifests
+    schema["properties"]["signature"] = {
+        "$ref": "#/$defs/Signature",
+        "description": "Optional HMAC-SHA256 of the canonical manifest bytes (spec 6.7)",
+    }
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["$id"] = "https://deltastore.dev/schema/manifest.v1.schema.json"
     return json.dumps(schema, indent=2, sort_keys=True) + "\n"

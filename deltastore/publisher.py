@@ -58,6 +58,7 @@ from deltastore.manifest import (
     parse_manifest,
 )
 from deltastore.progress import ProgressFn, Ticker
+from deltastore.signing import FROM_ENV, KeyOption, resolve_keys, verify_manifest
 from deltastore.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -172,6 +173,7 @@ class _ChainWriter:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
         zstd_level: int = 1,
+        signing_key: KeyOption = FROM_ENV,
     ) -> None:
         if snapshot not in ("memory", "disk") or (snapshot == "disk") != (state_dir is not None):
             raise ValueError("snapshot must be 'memory', or 'disk' together with state_dir")
@@ -181,6 +183,7 @@ class _ChainWriter:
             )
         self.store = open_store(url, storage_options)
         self.token = uuid.uuid4().hex
+        self._signing = resolve_keys(signing_key)  # signs with the first; attach checks any
         self._max_frame_bytes = max_frame_bytes
         self._max_object_bytes = max_object_bytes
         self._encoder = FrameEncoder(zstd_level)
@@ -230,12 +233,15 @@ class _ChainWriter:
                 f"version {version} is not the store's newest ({head}): a publisher continues "
                 "the chain from its head only; attach with the tensors of the newest version"
             )
+        key = manifest_key(version)
         try:
-            return parse_manifest(self.store.get(manifest_key(version)), key=manifest_key(version))
+            manifest = parse_manifest(self.store.get(key), key=key)
         except ObjectNotFoundError:
             raise ManifestNotFoundError(
                 f"version {version} is not committed in store {self.store.url}"
             ) from None
+        verify_manifest(manifest, self._signing, version=version, name=key)
+        return manifest
 
     # --- publish ------------------------------------------------------------------------
 
@@ -445,7 +451,9 @@ class Publisher(_ChainWriter):
     memory-mapped file under ``state_dir``, which also lets a restarted publisher continue
     without :meth:`attach`), ``max_frame_bytes``
     (dense bytes per frame, default 16 MiB), ``max_object_bytes`` (bytes per data object,
-    default 64 MiB), ``zstd_level`` (default 1).
+    default 64 MiB), ``zstd_level`` (default 1), ``signing_key`` (a
+    :class:`~deltastore.signing.SigningKey` that signs every manifest, and that :meth:`attach`
+    requires on the head manifest; default: ``DELTASTORE_SIGNING_KEY`` if set; None: unsigned).
     """
 
     def attach(self, tensors: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
@@ -511,6 +519,7 @@ class Publisher(_ChainWriter):
             parent=parent,
             entries=pending.entries,
             token=self.token,
+            signing_key=self._signing[0] if self._signing else None,
         )
         self._advance_latest(version, body)
         pending.upload_s += time.perf_counter() - t0

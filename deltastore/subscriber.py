@@ -60,6 +60,7 @@ from deltastore.manifest import (
     version_of_key,
 )
 from deltastore.progress import ProgressFn
+from deltastore.signing import FROM_ENV, KeyOption, resolve_keys, verify_manifest
 from deltastore.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,11 @@ class Subscriber:
     only when every rank verified. With a group, every rank calls :meth:`sync` and
     :meth:`verify` together (they are collectives); the target of ``sync()`` is rank 0's.
     ``pause`` / ``resume``: called around the write phase (e.g. to pause the engine's
-    generation); ``resume`` is called even when writing fails.
+    generation); ``resume`` is called even when writing fails. ``signing_key``: a
+    :class:`~deltastore.signing.SigningKey` (or several, during a key rotation); every manifest
+    must then be signed with one of them for its own version, checked before any frame is
+    fetched (:class:`~deltastore.signing.SignatureError`). Default: ``DELTASTORE_SIGNING_KEY``
+    if set; None: signatures are not checked.
     """
 
     def __init__(
@@ -139,6 +144,7 @@ class Subscriber:
         group: Any | None = None,
         pause: Callable[[], None] | None = None,
         resume: Callable[[], None] | None = None,
+        signing_key: KeyOption = FROM_ENV,
     ) -> None:
         if version is not None and tensors is None:
             raise ValueError("version= needs tensors=: the tensors that are at that version")
@@ -161,6 +167,7 @@ class Subscriber:
         self._manifests: OrderedDict[int, Manifest] = OrderedDict()
         self._seen: int | None = None  # newest committed version seen by latest()
         self._hint: tuple[str | None, int | None] = (None, None)  # LATEST (token, version)
+        self._keys = resolve_keys(signing_key)
 
     @property
     def tensors(self) -> MutableMapping[str, torch.Tensor] | None:
@@ -239,6 +246,7 @@ class Subscriber:
         """Parse the manifest bytes of ``version`` and keep the result in the cache."""
         key = manifest_key(version)
         m = parse_manifest(data, key=key)
+        verify_manifest(m, self._keys, version=version, name=key)  # before any frame is fetched
         if m.version != version:
             raise ManifestError(f"{key} claims version {m.version}; the store is damaged")
         self._manifests[version] = m
