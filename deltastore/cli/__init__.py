@@ -290,6 +290,56 @@ def show(
         out_console.print(table)
 
 
+@app.command("gc")
+def gc_cmd(
+    ctx: typer.Context,
+    store: StoreArg,
+    orphans: Annotated[
+        bool,
+        typer.Option("--orphans", help="Remove data objects no committed manifest references."),
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print what would be removed; remove nothing.")
+    ] = False,
+    min_age: Annotated[
+        float,
+        typer.Option(
+            "--min-age",
+            min=0.0,
+            metavar="SECONDS",
+            help="Keep orphans younger than this: a publish may be writing them.",
+        ),
+    ] = 3600.0,
+    storage_option: StorageOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Remove orphans: data objects of failed or lost publishes (never a committed version's)."""
+    from deltastore.gc import gc
+
+    if not orphans:
+        raise typer.BadParameter("nothing to collect: give --orphans")
+    with handle_errors(ctx):
+        report = gc(
+            store,
+            orphans=True,
+            dry_run=dry_run,
+            min_age_s=min_age,
+            storage_options=parse_storage_options(storage_option),
+        )
+    if json_out:
+        print_json(report.to_json())
+        return
+    verb = "would remove" if dry_run else "removed"
+    for o in report.orphans:
+        typer.echo(f"{verb} {o.key}" if o.kept is None else f"kept {o.key}: {o.kept}")
+    n = len(report.removed)
+    typer.echo(
+        f"{verb} {n} orphan{'' if n == 1 else 's'} ({human_bytes(report.removed_bytes)}), kept "
+        f"{len(report.kept)}; {report.referenced} objects referenced by {report.manifests} "
+        "committed versions"
+    )
+
+
 @app.command()
 def demo(
     ctx: typer.Context,
