@@ -14,6 +14,7 @@ from deltastore.errors import (
     ChainError,
     DeltastoreError,
     ManifestError,
+    ObjectNotFoundError,
     StoreError,
     VersionExistsError,
     VersionOrderError,
@@ -107,6 +108,8 @@ def commit_manifest(
 def _is_ours(store: Store, key: str, body: bytes) -> bool:
     try:
         return store.get(key) == body
+    except ObjectNotFoundError:
+        return False  # not committed
     except DeltastoreError as exc:
         log.warning("%s: commit state unknown, the manifest cannot be read back (%s)", key, exc)
         return False
