@@ -25,7 +25,9 @@ names in ``only`` when given) fails according to ``mode``:
 - ``"kill"``: the process is killed with ``SIGKILL`` before the operation (a crash);
 - ``"kill-after"``: the process is killed with ``SIGKILL`` right after the operation.
 
-Only that one operation fails; the ones before and after behave normally.
+Only that one operation fails; the ones before and after behave normally. ``hook``, when
+given, is called with each :class:`Op` (``done`` False) in the caller's thread right before
+the operation or its fault: a test can pause a writer there (an event, a barrier).
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ class FaultyStore(Store):
     """Wraps ``inner`` and fails its ``fail_at``-th operation (None: none fails).
 
     ``mode`` is one of :data:`FAULT_MODES`; ``only`` restricts which operation names count
-    toward ``fail_at`` (every operation is still logged). Thread-safe.
+    toward ``fail_at`` (every operation is still logged); ``hook`` is called before every
+    operation. Thread-safe.
     """
 
     def __init__(
@@ -104,8 +107,10 @@ class FaultyStore(Store):
         fail_at: int | None = None,
         mode: FaultMode = "raise",
         only: Iterable[str] | None = None,
+        hook: Callable[[Op], None] | None = None,
     ) -> None:
         self.inner = inner
+        self.hook = hook
         self.url = inner.url
         self._lock = threading.Lock()
         self._ops: builtins.list[Op] = []
@@ -153,8 +158,11 @@ class FaultyStore(Store):
                 fault = self._counted == self._fail_at
             else:
                 fault = False
-            self._ops.append(Op(index, name, key, done=False, fault=fault))
+            op = Op(index, name, key, done=False, fault=fault)
+            self._ops.append(op)
         slot = index - 1
+        if self.hook is not None:
+            self.hook(op)
         if fault and self._mode in ("raise", "kill"):
             self._finish(slot, done=False, error=f"injected {self._mode} before {name}")
             if self._mode == "kill":
