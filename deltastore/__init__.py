@@ -25,6 +25,7 @@ from deltastore.errors import (
     VersionOrderError,
     WrongParentError,
 )
+from deltastore.faults import FaultyStore, InjectedFault
 from deltastore.layout import Layout, fuse, replicate, shard, stack
 from deltastore.manifest import Manifest, parse_manifest
 from deltastore.presets import ModelSpec, hf_shapes, vllm_layout
@@ -37,7 +38,9 @@ from deltastore.subscriber import Subscriber, SyncReport
 __all__ = [
     "ChainError",
     "DeltastoreError",
+    "FaultyStore",
     "FrameError",
+    "InjectedFault",
     "IntegrityError",
     "InvalidKeyError",
     "Layout",
