@@ -35,6 +35,7 @@ import torch
 
 from deltastore._group import Group
 from deltastore._pipeline import Fetcher, Timer
+from deltastore._routing import Boxes, Segment, exchange, route, route_range
 from deltastore._words import gather, gather_range, restore_all, scatter_range, write_all
 from deltastore.checksum import INVERSE, MOD, adler32, apply_delta, delta_sums, shift_to_outer
 from deltastore.codecs import RAW, XOR_SPARSE, FrameDecoder
@@ -63,24 +64,7 @@ _CODES: tuple[type[BaseException], ...] = (
     DeltastoreError,
     Exception,
 )
-_EMPTY = np.zeros(0, dtype=np.int64)
-_EMPTY_U8 = np.zeros(0, dtype=np.uint8)
 Task = tuple[str, TensorEntry, Frame]
-Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
-
-
-@dataclass
-class Segment:
-    """Decoded changes of one frame (piece) for one rank: ``raw`` values are new words,
-    otherwise XOR masks; ``copies`` is each element's number of copies in the group. Anchor
-    frames travel as dense ranges (``start``; no positions, copies counted by the receiver)."""
-
-    tensor: int
-    raw: bool
-    positions: np.ndarray
-    copies: np.ndarray
-    values: np.ndarray
-    start: int = -1  # >= 0: raw values of the dense range [start, start + len(values))
 
 
 @dataclass
@@ -202,7 +186,7 @@ class LayoutSync:
                                 out[r] += segs
                     except Exception as exc:
                         error = exc
-                received = self._exchange(out)
+                received = exchange(self.group, out, [t[1] for t in self._table])
                 t0 = time.perf_counter()
                 if error is None:
                     try:
@@ -295,22 +279,25 @@ class LayoutSync:
     ) -> Callable[[Task, FrameDecoder], list[list[Segment]]]:
         def decode(task: Task, dec: FrameDecoder) -> list[list[Segment]]:
             name, entry, f = task
+            ti, holders = self._index[name], self._holders[name]
             data = frames.fetch(f, timer)
             size, n = itemsize(entry.dtype), f.stop - f.start
             routed: list[list[Segment]] = [[] for _ in range(self.group.world)]
             if f.codec == XOR_SPARSE:
                 pos, masks = dec.sparse(data, n, size, f.changed)
-                self._route(name, entry, False, pos + f.start, masks, routed)
+                route(ti, entry.shape, holders, False, pos + f.start, masks, routed)
                 return routed
             value, changed = 1, 0
             for first, words in dec.chunks(data, n, size):
                 if f.codec == RAW:
                     value = adler32(words, value)
-                    self._route_range(name, entry, f.start + first, words, routed)
+                    route_range(ti, entry.shape, holders, f.start + first, words, routed)
                 else:
                     idx = dec.nonzero(words)
                     changed += idx.size
-                    self._route(name, entry, False, idx + (f.start + first), words[idx], routed)
+                    route(
+                        ti, entry.shape, holders, False, idx + (f.start + first), words[idx], routed
+                    )
             if f.codec == RAW and value != f.adler32:
                 raise IntegrityError(
                     f"{name}[{f.start}:{f.stop}]: raw frame decodes to Adler-32 {value:08x}, "
@@ -324,107 +311,6 @@ class LayoutSync:
             return routed
 
         return decode
-
-    def _route(
-        self,
-        name: str,
-        entry: TensorEntry,
-        raw: bool,
-        pos: np.ndarray,
-        values: np.ndarray,
-        routed: list[list[Segment]],
-    ) -> None:
-        """Split sorted global ``pos`` among the ranks holding them, with copy counts."""
-        tensor = self._index[name]
-        held = [
-            (
-                r,
-                sum(
-                    (inside(pos, entry.shape, o, n).view(np.uint8) for o, n in boxes[1:]),
-                    inside(pos, entry.shape, *boxes[0]).view(np.uint8),
-                ),
-            )
-            for r, boxes in self._holders[name]
-        ]
-        copies = sum((c for _, c in held[1:]), held[0][1].copy())
-        for r, count in held:
-            sel = np.flatnonzero(count)
-            if sel.size:
-                routed[r].append(Segment(tensor, raw, pos[sel], copies[sel], values[sel]))
-
-    def _route_range(
-        self,
-        name: str,
-        entry: TensorEntry,
-        start: int,
-        words: np.ndarray,
-        routed: list[list[Segment]],
-    ) -> None:
-        """Send each rank the part of the dense range ``[start, start + len(words))`` within
-        the hull of its boxes."""
-        stop = start + words.size
-        for r, boxes in self._holders[name]:
-            spans = [_span(entry.shape, o, n) for o, n in boxes]
-            a = max(start, min(lo for lo, _ in spans))
-            b = min(stop, max(hi for _, hi in spans))
-            if a < b:
-                routed[r].append(
-                    Segment(
-                        self._index[name],
-                        True,
-                        _EMPTY,
-                        _EMPTY_U8,
-                        words[a - start : b - start].copy(),
-                        a,
-                    )
-                )
-
-    def _exchange(self, out: list[list[Segment]]) -> list[Segment]:
-        """Rounds 1 and 2 of the exchange (collectives on every rank, also when empty)."""
-        if self.group.world == 1:
-            return out[0]
-        ints, bytes_ = [], []
-        for segs in out:
-            ints.append(
-                np.concatenate(
-                    [np.zeros(0, np.int64)]
-                    + [
-                        np.concatenate(
-                            ([s.tensor, int(s.raw), s.values.size, s.start], s.positions)
-                        )
-                        for s in segs
-                    ]
-                ).astype(np.int64)
-            )
-            bytes_.append(
-                np.concatenate(
-                    [np.zeros(0, np.uint8)]
-                    + [
-                        np.concatenate((s.copies, np.ascontiguousarray(s.values).view(np.uint8)))
-                        for s in segs
-                    ]
-                )
-            )
-        counts = self.group.exchange_counts(
-            np.array([[a.size, b.size] for a, b in zip(ints, bytes_, strict=True)], np.int64)
-        )
-        got_i = self.group.all_to_all(ints, np.dtype(np.int64), counts[:, 0])
-        got_b = self.group.all_to_all(bytes_, np.dtype(np.uint8), counts[:, 1])
-        received: list[Segment] = []
-        for ia, ba in zip(got_i, got_b, strict=True):
-            i = j = 0
-            while i < ia.size:
-                tensor, raw, count, start = (int(x) for x in ia[i : i + 4])
-                size = itemsize(self._entry_dtype(tensor))
-                k = count if start < 0 else 0  # positions and copies: sparse segments only
-                pos, copies = ia[i + 4 : i + 4 + k], ba[j : j + k]
-                vals = ba[j + k : j + k + count * size].copy().view(word_dtype(size))
-                received.append(Segment(tensor, bool(raw), pos, copies, vals, start))
-                i, j = i + 4 + k, j + k + count * size
-        return received
-
-    def _entry_dtype(self, tensor: int) -> str:
-        return self._table[tensor][1]
 
     def _stage(
         self,
