@@ -124,8 +124,11 @@ def check_head(store: Store, version: int, parent: Parent | None) -> None:
     version was committed on ``parent`` (it is no longer the head). A version committed
     between this listing and the manifest create is not seen (docs/guide.md, Several
     publishers)."""
-    after = manifest_key(parent.version) if parent is not None else ""
-    keys = store.list_after(MANIFEST_PREFIX, after)
+    keys = (
+        store.list_after(MANIFEST_PREFIX, manifest_key(parent.version))
+        if parent is not None
+        else store.list(MANIFEST_PREFIX)
+    )
     newer = {v for k in keys if (v := version_of_key(k)) is not None}
     if version in newer:
         raise VersionExistsError(
