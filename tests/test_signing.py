@@ -519,3 +519,17 @@ def test_mutated_signed_manifests_never_verify_with_other_content(
     except (ManifestError, SignatureError):
         return
     assert m.canonical_bytes() == original.canonical_bytes()
+
+
+def test_spec_example_signature() -> None:
+    """docs/spec/format-v1.md 6.7.6: the HMAC of the section 13 delta with the example key."""
+    spec = (Path(__file__).parent.parent / "docs/spec/format-v1.md").read_text()
+    start = spec.index("```json\n", spec.index("`manifests/00000000000000000002.json` (the delta"))
+    body = spec[start + 8 : spec.index("```\n", start + 8)].encode()
+    example = spec[spec.index("#### 6.7.6 Example") :]
+    documented = example.split('"hmac_sha256": "')[1].split('"')[0]
+    m = parse_manifest(body)
+    assert m.canonical_bytes() == body and len(body) == 1044
+    signed = sign_manifest(m, SigningKey("example-key", bytes(range(32))))
+    assert signed.signature is not None and signed.signature.hmac_sha256 == documented
+    assert f"({len(signed.to_bytes())} bytes stored)" in example
