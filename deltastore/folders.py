@@ -10,11 +10,22 @@ second copy on disk or in RAM). The folder's version and per-tensor Adler-32 liv
 sidecar ``.deltastore.json``, replaced atomically after each version is written and flushed,
 so a failed pull leaves the folder at its last recorded version, loadable by safetensors.
 
+A pull that writes first creates the marker ``.deltastore.pending`` ("a pull is under way")
+and removes it after the sidecar is written. A process killed meanwhile leaves the marker and
+possibly tensors at several versions (or half written). The next pull then finds where each
+tensor is by its Adler-32 (compared with the manifests of the recorded version and of the
+chain to the target; the sidecar and the marker are not trusted for that), advances the
+tensors at an older version with a :class:`Subscriber` over just those tensors, rebuilds the
+tensors at no version from the newest anchor at or below the target, checks every tensor
+against the target, and only then writes the sidecar (:class:`FolderRepair`). Without the
+marker (a folder changed by hand) a mismatch is an error unless ``repair=True``.
+
 Not safe to run two pulls into the same folder at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,19 +33,33 @@ import os
 import random
 import shutil
 import threading
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from deltastore.checkpoint import (
+    INDEX_NAME,
     CheckpointError,
     MappedCheckpoint,
     create_checkpoint,
     locate,
+    table_of,
 )
-from deltastore.errors import ManifestNotFoundError, ObjectNotFoundError, StoreError
+from deltastore.checksum import adler32
+from deltastore.dtypes import np_words
+from deltastore.errors import (
+    ChainError,
+    ManifestNotFoundError,
+    ObjectNotFoundError,
+    StoreError,
+    TensorMismatchError,
+)
+from deltastore.layout import Layout
 from deltastore.manifest import Manifest
 from deltastore.progress import ProgressFn
 from deltastore.publisher import Publisher, PublishReport
@@ -45,6 +70,8 @@ log = logging.getLogger(__name__)
 
 SIDECAR = ".deltastore.json"
 SIDECAR_FORMAT = 1
+#: Present while a pull that writes is under way (and after one was killed).
+PENDING = ".deltastore.pending"
 
 
 def default_state_dir(url: str) -> Path:
@@ -108,19 +135,17 @@ def read_state(dest: str | os.PathLike[str]) -> FolderState | None:
         raise CheckpointError(f"{path} is malformed; pull into a new folder") from None
 
 
-def _write_state(dest: Path, m: Manifest) -> None:
-    body = {
-        "format": SIDECAR_FORMAT,
-        "version": m.version,
-        "state_digest": m.state_digest,
-        "adler32": {n: e.adler32 for n, e in m.tensors.items()},
-    }
-    tmp = dest / f".{SIDECAR}.{uuid.uuid4().hex}"
+def _write_json(dest: Path, name: str, body: dict[str, Any]) -> None:
+    """Replace ``dest/name`` atomically and durably (temp file, fsync, rename, fsync folder);
+    temp files a killed writer left behind are removed first."""
+    for stale in dest.glob(f".{name}.*"):
+        stale.unlink(missing_ok=True)
+    tmp = dest / f".{name}.{uuid.uuid4().hex}"
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(body, fh, indent=1)
         fh.flush()
         os.fsync(fh.fileno())
-    os.replace(tmp, dest / SIDECAR)
+    os.replace(tmp, dest / name)
     fd = os.open(dest, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -128,8 +153,89 @@ def _write_state(dest: Path, m: Manifest) -> None:
         os.close(fd)
 
 
+def _write_state(dest: Path, m: Manifest) -> None:
+    body = {
+        "format": SIDECAR_FORMAT,
+        "version": m.version,
+        "state_digest": m.state_digest,
+        "adler32": {n: e.adler32 for n, e in m.tensors.items()},
+    }
+    _write_json(dest, SIDECAR, body)
+
+
+def _begin(dest: Path, recorded: int | None, target: int) -> None:
+    """Create the marker that says a pull writing ``dest`` is under way."""
+    _write_json(dest, PENDING, {"format": SIDECAR_FORMAT, "from": recorded, "to": target})
+
+
+def _end(dest: Path) -> None:
+    (dest / PENDING).unlink(missing_ok=True)
+
+
+def checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Adler-32 of each (CPU) tensor's bytes: one read of every tensor, one at a time."""
+    return {name: adler32(np_words(t.detach())) for name, t in tensors.items()}
+
+
+def _tensors(n: int) -> str:
+    return f"{n} tensor" if n == 1 else f"{n} tensors"
+
+
+def _names(names: tuple[str, ...]) -> str:
+    more = f", +{len(names) - 5} more" if len(names) > 5 else ""
+    return ", ".join(names[:5]) + more
+
+
+@dataclass(frozen=True)
+class FolderRepair:
+    """What a pull found in a folder whose tensors were not all at its recorded version.
+
+    ``found``: version -> tensors whose Adler-32 is that version's (the target included; a
+    tensor unchanged across versions counts at the newest). ``rebuilt``: tensors at none of
+    them (e.g. written halfway), rebuilt from ``anchor``.
+    """
+
+    recorded: int | None
+    target: int
+    found: dict[int, tuple[str, ...]]
+    rebuilt: tuple[str, ...]
+    anchor: int | None
+
+    def summary(self) -> str:
+        """One line, e.g. ``3 tensors at v7 advanced to v8, 1 tensor (w) inconsistent:
+        rebuilt from anchor v5``."""
+        parts = [
+            f"{_tensors(len(names))} at v{v} advanced to v{self.target}"
+            for v, names in sorted(self.found.items())
+            if v != self.target
+        ]
+        if self.found.get(self.target):
+            parts.append(f"{_tensors(len(self.found[self.target]))} already at v{self.target}")
+        if self.rebuilt:
+            parts.append(
+                f"{_tensors(len(self.rebuilt))} ({_names(self.rebuilt)}) inconsistent: "
+                f"rebuilt from anchor v{self.anchor}"
+            )
+        return ", ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "recorded": self.recorded,
+            "target": self.target,
+            "found": {str(v): list(n) for v, n in sorted(self.found.items())},
+            "rebuilt": list(self.rebuilt),
+            "anchor": self.anchor,
+        }
+
+
 class FolderSync:
-    """A subscriber over a checkpoint folder; keeps the mapping open between pulls."""
+    """A subscriber over a checkpoint folder; keeps the mapping open between pulls.
+
+    ``repair``: what a pull does with a folder whose tensors are not all at its recorded
+    version. ``None`` (default): repair it when a pull was interrupted there (the marker
+    ``.deltastore.pending`` exists), else raise :class:`TensorMismatchError`; ``True``: always
+    repair; ``False``: never. :attr:`last_repair` says what the last repair found and did.
+    """
 
     def __init__(
         self,
@@ -137,23 +243,21 @@ class FolderSync:
         dest: str | os.PathLike[str],
         *,
         storage_options: dict[str, Any] | None = None,
+        repair: bool | None = None,
         **subscriber_options: Any,
     ) -> None:
         self.dest = Path(dest)
         self._url, self._opts, self._sub_opts = url, storage_options, subscriber_options
+        self._repair = repair
         self._ckpt: MappedCheckpoint | None = None
         self._sub: Subscriber | None = None
+        self._checked = False
+        self.last_repair: FolderRepair | None = None
         state = read_state(self.dest)
         if state is not None:
             self._ckpt = MappedCheckpoint(locate(self.dest), writable=True)
-            self._sub = Subscriber(
-                url,
-                storage_options=storage_options,
-                tensors=self._ckpt.tensors,
-                version=state.version,
-                **subscriber_options,
-            )
-        elif self.dest.exists() and any(self.dest.iterdir()):
+            self._sub = self._subscriber(self._ckpt.tensors, state.version)
+        elif self.dest.exists() and any(self.dest.iterdir()) and not (self.dest / PENDING).exists():
             raise CheckpointError(
                 f"{self.dest} is not empty and holds no {SIDECAR}: pull into an empty or new "
                 "folder (deltastore only updates folders it created)"
@@ -166,56 +270,121 @@ class FolderSync:
 
     def latest(self) -> int | None:
         """Newest committed version in the store."""
-        return (self._sub or Subscriber(self._url, storage_options=self._opts)).latest()
+        return (self._sub or self._probe()).latest()
+
+    def _subscriber(
+        self,
+        tensors: MutableMapping[str, torch.Tensor] | None,
+        version: int | None = None,
+        names: list[str] | None = None,
+    ) -> Subscriber:
+        opts = dict(self._sub_opts)
+        if names is not None:  # hold and sync only these tensors
+            opts["layout"] = Layout.identity(names)
+        return Subscriber(
+            self._url, storage_options=self._opts, tensors=tensors, version=version, **opts
+        )
+
+    def _probe(self) -> Subscriber:
+        """A subscriber without tensors, for reading manifests (with the signing key given)."""
+        extra = {k: v for k, v in self._sub_opts.items() if k == "signing_key"}
+        return Subscriber(self._url, storage_options=self._opts, **extra)
+
+    def _target(self, version: int | None) -> tuple[Subscriber, int]:
+        probe = self._sub or self._probe()
+        target = probe.latest() if version is None else version
+        if target is None:
+            raise ManifestNotFoundError(f"store {probe.store.url} holds no committed version yet")
+        return probe, target
 
     def pull(self, version: int | None = None, *, progress: ProgressFn | None = None) -> SyncReport:
         """Bring the folder to ``version`` (default: newest); see the module docstring."""
         if self._sub is None:
             return self._create(version, progress)
-        ckpt = self._ckpt
+        sub, ckpt = self._sub, self._ckpt
         if ckpt is None:  # pragma: no cover - set together with _sub
             raise CheckpointError("folder is not open")
+        _, target = self._target(version)
+        if not self._checked:
+            try:
+                sub.verify()  # every tensor's Adler-32 against the recorded version
+            except TensorMismatchError:
+                if not (self._repair or (self._repair is None and (self.dest / PENDING).exists())):
+                    raise
+                return self._repair_to(ckpt, target, progress)
+            self._checked = True
+        if target == sub.version:
+            return sub.sync(target, progress=progress)
+        return self._recorded(
+            ckpt,
+            sub.version,
+            target,
+            lambda rec: sub.sync(target, progress=progress, on_version=rec),
+        )
+
+    def _recorded(
+        self,
+        ckpt: MappedCheckpoint,
+        recorded: int | None,
+        target: int,
+        sync: Callable[[Callable[[Manifest], None]], SyncReport],
+    ) -> SyncReport:
+        """Run ``sync`` between the pending marker's creation and removal; each version it
+        applies is flushed, then recorded in the sidecar. The marker stays when recording
+        failed (the files may then be ahead of the sidecar)."""
+        _begin(self.dest, recorded, target)
+        unrecorded = False
 
         def record(m: Manifest) -> None:
+            nonlocal unrecorded
+            unrecorded = True
             ckpt.flush()
             _write_state(self.dest, m)
+            unrecorded = False
 
-        return self._sub.sync(version, progress=progress, on_version=record)
+        try:
+            report = sync(record)
+        except BaseException:
+            if not unrecorded:  # the subscriber left the files at the recorded version
+                _end(self.dest)
+            raise
+        _end(self.dest)
+        return report
 
     def _create(self, version: int | None, progress: ProgressFn | None) -> SyncReport:
-        probe = Subscriber(self._url, storage_options=self._opts)
-        target = probe.latest() if version is None else version
-        if target is None:
-            raise ManifestNotFoundError(f"store {probe.store.url} holds no committed version yet")
+        probe, target = self._target(version)
         m = probe.manifest(target)
+        table = {n: (e.dtype, tuple(e.shape)) for n, e in m.tensors.items()}
         existed = self.dest.exists()
+        if (self.dest / PENDING).exists():  # the first pull into this folder was interrupted
+            try:
+                locs = locate(self.dest)
+            except CheckpointError:
+                locs = {}
+            if {n: (loc.dtype, loc.shape) for n, loc in locs.items()} == table:
+                return self._repair_to(MappedCheckpoint(locs, writable=True), target, progress)
+            for child in self.dest.iterdir():  # files for another table, or half created
+                if child.name.endswith(".safetensors") or child.name == INDEX_NAME:
+                    child.unlink()
         try:
-            ckpt = MappedCheckpoint(
-                create_checkpoint(
-                    self.dest, {n: (e.dtype, tuple(e.shape)) for n, e in m.tensors.items()}
-                ),
-                writable=True,
-            )
+            self.dest.mkdir(parents=True, exist_ok=True)
+            _begin(self.dest, None, target)
+            ckpt = MappedCheckpoint(create_checkpoint(self.dest, table), writable=True)
         except BaseException:
             self._remove_created(existed)
             raise
-        sub = Subscriber(
-            self._url, storage_options=self._opts, tensors=ckpt.tensors, **self._sub_opts
-        )
-
-        def record(applied: Manifest) -> None:
-            ckpt.flush()
-            _write_state(self.dest, applied)
-
+        sub = self._subscriber(ckpt.tensors)
         try:
-            return sub.sync(target, progress=progress, on_version=record)
+            return self._recorded(
+                ckpt, None, target, lambda rec: sub.sync(target, progress=progress, on_version=rec)
+            )
         except BaseException:
             if read_state(self.dest) is None:
                 self._remove_created(existed)  # nothing usable was written: leave no debris
             raise
         finally:
             if read_state(self.dest) is not None:  # at least one version was recorded
-                self._ckpt, self._sub = ckpt, sub
+                self._ckpt, self._sub, self._checked = ckpt, sub, True
 
     def _remove_created(self, existed: bool) -> None:
         if not self.dest.exists():
@@ -226,6 +395,126 @@ class FolderSync:
         else:
             shutil.rmtree(self.dest, ignore_errors=True)
 
+    # --- repair -------------------------------------------------------------------------
+
+    def _candidates(
+        self, probe: Subscriber, goal: Manifest, recorded: int | None
+    ) -> list[Manifest]:
+        """Versions a tensor of the folder may be at and advance from to ``goal``: the chain
+        from ``goal`` back to the recorded version or the first anchor, and the recorded
+        version when that anchor is above it (an anchor applies to any state)."""
+        out, m = [goal], goal
+        while (
+            m.kind == "delta"
+            and m.parent is not None
+            and (recorded is None or m.version > recorded)
+        ):
+            try:
+                m = probe.manifest(m.parent.version)
+            except ManifestNotFoundError:
+                break
+            out.append(m)
+        if (
+            recorded is not None
+            and recorded not in {c.version for c in out}
+            and out[-1].kind == "anchor"
+            and out[-1].version > recorded
+        ):
+            with contextlib.suppress(ManifestNotFoundError):
+                out.append(probe.manifest(recorded))
+        return out
+
+    def _repair_to(
+        self, ckpt: MappedCheckpoint, target: int, progress: ProgressFn | None
+    ) -> SyncReport:
+        """Bring a folder whose tensors are at several versions, or at none, to ``target``."""
+        t_start = time.perf_counter()
+        state = read_state(self.dest)
+        recorded = state.version if state is not None else None
+        if recorded is not None and target < recorded:
+            raise ChainError(
+                f"{self.dest} was recorded at version {recorded}, newer than the requested "
+                f"{target}, and its tensors are not all at that version: pull a version at or "
+                f"above {recorded} to repair it"
+            )
+        probe = self._probe()
+        goal = probe.manifest(target)
+        if table_of(ckpt.tensors) != {
+            n: (e.dtype, tuple(e.shape)) for n, e in goal.tensors.items()
+        }:
+            raise TensorMismatchError(
+                f"{self.dest} holds other tensors (names, dtypes or shapes) than version "
+                f"{target}; it cannot be repaired in place: pull into a new folder"
+            )
+        candidates = self._candidates(probe, goal, recorded)
+        found: dict[int, list[str]] = {}
+        rebuilt: list[str] = []
+        for name, value in checksums(ckpt.tensors).items():
+            want = goal.tensors[name]
+            at = [
+                c.version
+                for c in candidates
+                if (e := c.tensors.get(name)) is not None
+                and (e.adler32, e.dtype, e.shape) == (value, want.dtype, want.shape)
+            ]
+            (found.setdefault(max(at), []) if at else rebuilt).append(name)
+        if not (self.dest / PENDING).exists():
+            _begin(self.dest, recorded, target)
+        groups: list[tuple[list[str], int | None]] = [
+            (names, v) for v, names in sorted(found.items()) if v != target
+        ]
+        groups += [(rebuilt, None)] if rebuilt else []
+        runs = [
+            (
+                names,
+                self._subscriber({n: ckpt.tensors[n] for n in names}, v, names).sync(
+                    target, progress=progress
+                ),
+            )
+            for names, v in groups
+        ]
+        anchor = runs[-1][1].applied[0] if rebuilt else None
+        ckpt.flush()
+        sub = self._subscriber(ckpt.tensors, target)
+        t_verify = time.perf_counter()
+        sub.verify()  # every tensor at the target before anything is recorded
+        verify_s = time.perf_counter() - t_verify
+        _write_state(self.dest, goal)
+        _end(self.dest)
+        self._ckpt, self._sub, self._checked = ckpt, sub, True
+        self.last_repair = FolderRepair(
+            recorded,
+            target,
+            {v: tuple(names) for v, names in sorted(found.items())},
+            tuple(rebuilt),
+            anchor,
+        )
+        log.warning("%s: %s", self.dest, self.last_repair.summary())
+        # what was fetched and changed: the frames of each group's tensors only
+        held = [probe.manifest(v).tensors[n] for names, r in runs for v in r.applied for n in names]
+        reports = [r for _, r in runs]
+        applied = tuple(sorted({v for r in reports for v in r.applied}))
+        return SyncReport(
+            version=target,
+            from_version=recorded,
+            applied=applied,
+            kind="anchor"
+            if any(r.kind == "anchor" for r in reports)
+            else "delta"
+            if applied
+            else "none",
+            changed_elements=sum(e.changed for e in held),
+            total_elements=goal.total_elements,
+            payload_bytes=sum(f.length for e in held for f in e.frames),
+            dense_bytes=goal.dense_bytes,
+            frames=sum(len(e.frames) for e in held),
+            fetch_s=sum(r.fetch_s for r in reports),
+            decode_s=sum(r.decode_s for r in reports),
+            verify_s=sum(r.verify_s for r in reports) + verify_s,
+            pause_s=sum(r.pause_s for r in reports),
+            total_s=time.perf_counter() - t_start,
+        )
+
 
 def pull_checkpoint(
     url: str,
@@ -234,10 +523,14 @@ def pull_checkpoint(
     version: int | None = None,
     storage_options: dict[str, Any] | None = None,
     progress: ProgressFn | None = None,
+    repair: bool | None = None,
     **subscriber_options: Any,
 ) -> SyncReport:
-    """Bring the checkpoint folder ``dest`` to ``version`` (default: the newest)."""
-    folder = FolderSync(url, dest, storage_options=storage_options, **subscriber_options)
+    """Bring the checkpoint folder ``dest`` to ``version`` (default: the newest); ``repair``
+    as in :class:`FolderSync`."""
+    folder = FolderSync(
+        url, dest, storage_options=storage_options, repair=repair, **subscriber_options
+    )
     return folder.pull(version, progress=progress)
 
 
@@ -250,15 +543,19 @@ def watch_checkpoint(
     stop: threading.Event | None = None,
     on_report: Callable[[SyncReport], None] | None = None,
     storage_options: dict[str, Any] | None = None,
+    repair: bool | None = None,
     **subscriber_options: Any,
 ) -> None:
     """Poll the store and pull each new version into ``dest`` until ``stop`` is set.
 
     Waits ``interval`` seconds (±20% jitter) between polls; transient store errors back off
-    exponentially up to ``max_interval``. Other errors propagate.
+    exponentially up to ``max_interval``. Other errors propagate. ``repair`` as in
+    :class:`FolderSync`.
     """
     stop = stop or threading.Event()
-    folder = FolderSync(url, dest, storage_options=storage_options, **subscriber_options)
+    folder = FolderSync(
+        url, dest, storage_options=storage_options, repair=repair, **subscriber_options
+    )
     delay = interval
     while not stop.is_set():
         try:
@@ -277,8 +574,12 @@ def watch_checkpoint(
 
 
 __all__ = [
+    "PENDING",
+    "SIDECAR",
+    "FolderRepair",
     "FolderState",
     "FolderSync",
+    "checksums",
     "default_state_dir",
     "publish_checkpoint",
     "pull_checkpoint",

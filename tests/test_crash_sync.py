@@ -1,0 +1,548 @@
+"""Crash consistency of sync (issue 7, item 2): a pull into a checkpoint folder killed at
+every stage, then a pull in a fresh process against the same folder.
+
+Each kill runs in its own process: a helper process imports deltastore once and forks one
+child per case; the child installs a hook that sends itself SIGKILL at the chosen point
+(during a frame fetch, after a frame was decoded, after the version verified, halfway
+through the n-th scatter of the write phase, before the sidecar is written, between the
+sidecar's temp file and its rename, while the files of a new folder are created, and while a
+repair writes) and runs ``FolderSync.pull``. The test then pulls again in-process and checks:
+
+- the folder ends bit-exact at the target (loaded with safetensors, compared as integers),
+  with the sidecar at the target and no marker or temp file left;
+- where each tensor was found: an oracle compares the killed folder's tensors bit-wise with
+  the published states and must agree with :class:`FolderRepair` (tensors at a version,
+  tensors at none: rebuilt from the newest anchor at or below the target);
+- a folder left consistent (kill before the write phase) needs no repair.
+
+The number of kill points covered is printed at the end of the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from deltastore import Publisher
+from deltastore.checkpoint import CheckpointError, MappedCheckpoint, locate
+from deltastore.folders import PENDING, SIDECAR, FolderSync, pull_checkpoint, read_state
+
+ROOT = Path(__file__).parent.parent
+Tensors = dict[str, torch.Tensor]
+WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+FRAME_BYTES = 8 << 10
+SHAPES = {
+    "model.embed_tokens.weight": (512, 64),
+    "model.layers.0.input_layernorm.weight": (64,),
+    "model.layers.0.mlp.up_proj.weight": (128, 64),
+    "model.layers.0.mlp.down_proj.weight": (64, 128),
+    "model.layers.1.input_layernorm.weight": (64,),
+    "model.layers.1.mlp.up_proj.weight": (128, 64),
+    "model.layers.1.mlp.down_proj.weight": (64, 128),
+    "model.norm.weight": (64,),
+    "lm_head.weight": (512, 64),
+}
+#: v1 anchor, v2-v4 deltas, v5 an anchor on v4, v6 a delta on v5.
+ANCHORS = (1, 5)
+VERSIONS = 6
+KILLED = -signal.SIGKILL
+covered: Counter[str] = Counter()
+
+# --- data ---------------------------------------------------------------------------------
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().reshape(-1).view(WORD[t.element_size()]).numpy()
+
+
+def make_states(
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    versions: int,
+    seed: int,
+    frozen: tuple[tuple[str, int], ...] = (),
+) -> list[Tensors]:
+    """``states[v]`` is version v (``states[0]`` unused): bf16 tensors of ``shapes`` and a
+    float32 ``model.rotary.scale``; ~5% of the elements change per version, except the
+    (name, version) pairs in ``frozen``."""
+    g = torch.Generator().manual_seed(seed)
+    first = {n: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for n, s in shapes.items()}
+    first["model.rotary.scale"] = torch.randn(300, generator=g)
+    states = [first, first]
+    for v in range(2, versions + 1):
+        nxt = {}
+        for name, t in states[-1].items():
+            mask = torch.rand(t.shape, generator=g) < 0.05
+            step = (torch.randn(t.shape, generator=g) * 0.01).to(t.dtype)
+            nxt[name] = t.clone() if (name, v) in frozen else torch.where(mask, t + step, t)
+        states.append(nxt)
+    return states
+
+
+@pytest.fixture(scope="module")
+def states() -> list[Tensors]:
+    return make_states(SHAPES, versions=VERSIONS, seed=7, frozen=(("model.norm.weight", 4),))
+
+
+@pytest.fixture(scope="module")
+def store(states: list[Tensors], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("crash") / "store"
+    pub = Publisher(path, max_frame_bytes=FRAME_BYTES)
+    for v in range(1, VERSIONS + 1):
+        rep = pub.publish(states[v], version=v, anchor=v in ANCHORS)
+        assert rep.kind == ("anchor" if v in ANCHORS else "delta")
+    return path
+
+
+@pytest.fixture(scope="module")
+def folders(store: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Pristine folders pulled to v2, v3 and v4 (copied for each case)."""
+    base = tmp_path_factory.mktemp("folders")
+    out = {}
+    for v in (2, 3, 4):
+        pull_checkpoint(str(store), base / f"v{v}", version=v)
+        out[v] = base / f"v{v}"
+    return out
+
+
+def load_folder(folder: Path) -> Tensors:
+    out: Tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out |= load_file(f)
+    return out
+
+
+def assert_folder_at(folder: Path, states: list[Tensors], version: int) -> None:
+    got = load_folder(folder)
+    assert set(got) == set(states[version])
+    for name, t in states[version].items():
+        assert np.array_equal(bits(got[name]), bits(t)), name
+    state = read_state(folder)
+    assert state is not None and state.version == version
+    assert not (folder / PENDING).exists()
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == [SIDECAR]
+
+
+def where(
+    folder: Path, states: list[Tensors], candidates: tuple[int, ...]
+) -> dict[str, int | None]:
+    """The oracle: for each tensor of the folder, the newest candidate version it equals bit
+    for bit (None: none of them)."""
+    tensors = MappedCheckpoint(locate(folder)).tensors
+    return {
+        name: max(
+            (v for v in candidates if np.array_equal(bits(t), bits(states[v][name]))),
+            default=None,
+        )
+        for name, t in tensors.items()
+    }
+
+
+# --- the kill helper ----------------------------------------------------------------------
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def countdown(n: int) -> Callable[[], bool]:
+    """A thread-safe counter: true at the n-th call."""
+    lock, calls = threading.Lock(), [0]
+
+    def hit() -> bool:
+        with lock:
+            calls[0] += 1
+            return calls[0] == n
+
+    return hit
+
+
+def install(point: str, n: int) -> None:
+    """Patch deltastore so that this process kills itself at ``point`` (n-th occurrence)."""
+    import deltastore._pipeline as pipeline
+    import deltastore.checkpoint as checkpoint
+    import deltastore.folders as folders
+    import deltastore.subscriber as subscriber
+    from deltastore.codecs import FrameDecoder
+
+    hit = countdown(n)
+    if point == "fetch":  # the n-th frame's bytes arrived, before they are checked
+        get_range = pipeline.Fetcher.fetch
+
+        def fetch(self: Any, f: Any, timer: Any) -> bytes:
+            if hit():
+                self.store.get_range(f.object, f.offset, f.length)
+                die()
+            return get_range(self, f, timer)
+
+        pipeline.Fetcher.fetch = fetch  # type: ignore[method-assign]
+    elif point == "decode":  # after the n-th frame was decoded (anchors: into the files)
+        sparse, into, chunks = FrameDecoder.sparse, FrameDecoder.into, FrameDecoder.chunks
+
+        def sparse_(self: Any, *a: Any) -> Any:
+            out = sparse(self, *a)
+            if hit():
+                die()
+            return out
+
+        def into_(self: Any, *a: Any) -> None:
+            into(self, *a)
+            if hit():
+                die()
+
+        def chunks_(self: Any, *a: Any) -> Iterator[Any]:
+            yield from chunks(self, *a)
+            if hit():
+                die()
+
+        FrameDecoder.sparse, FrameDecoder.into = sparse_, into_  # type: ignore[method-assign]
+        FrameDecoder.chunks = chunks_  # type: ignore[method-assign]
+    elif point == "verified":  # every frame and tensor verified, nothing written yet
+        write = subscriber.Subscriber._scatter
+
+        def scatter_method(self: Any, staged: Any) -> None:
+            if hit():
+                die()
+            write(self, staged)
+
+        subscriber.Subscriber._scatter = scatter_method  # type: ignore[method-assign]
+    elif point in ("write", "repair"):  # the n-th scatter writes half its words, then dies
+        scatter = subscriber._scatter
+
+        def scatter_half(local: Any, positions: Any, values: Any) -> None:
+            if hit():
+                half = max(1, positions.size // 2)
+                scatter(local, positions[:half], values[:half])
+                die()
+            scatter(local, positions, values)
+
+        subscriber._scatter = scatter_half
+    elif point == "record":  # written and flushed, the sidecar not yet replaced
+        write_state = folders._write_state
+
+        def record(dest: Path, m: Any) -> None:
+            if hit():
+                die()
+            write_state(dest, m)
+
+        folders._write_state = record
+    elif point == "rename":  # the sidecar's temp file is written, not yet renamed
+        replace = os.replace
+
+        def rename(src: Any, dst: Any, **kw: Any) -> None:
+            if str(dst).endswith(SIDECAR) and hit():
+                die()
+            replace(src, dst, **kw)
+
+        os.replace = rename  # type: ignore[assignment]
+    elif point == "create":  # the marker exists, the first file is half created
+        write_empty = checkpoint._write_empty
+
+        def create(path: Path, table: Any) -> Any:
+            if hit():
+                path.write_bytes(b"\x10\x00\x00")
+                die()
+            return write_empty(path, table)
+
+        checkpoint._write_empty = create
+    else:
+        raise ValueError(point)
+
+
+def child(case: dict[str, Any]) -> None:
+    install(case["point"], case["n"])
+    FolderSync(case["store"], case["dest"]).pull(case["target"])
+
+
+def serve() -> None:
+    """Helper process: one JSON case per stdin line; fork a child per case, answer its
+    exit status (``-9``: killed; 0: the pull finished; 3: it raised)."""
+    for line in sys.stdin:
+        case = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                child(case)
+            except BaseException:
+                traceback.print_exc()
+                code = 3
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
+
+
+@pytest.fixture(scope="module")
+def killer() -> Iterator[Callable[..., int]]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from tests.test_crash_sync import serve; serve()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    stdin, stdout = proc.stdin, proc.stdout
+
+    def run(store: Path, dest: Path, target: int, point: str, n: int = 1) -> int:
+        case = {"store": str(store), "dest": str(dest), "target": target, "point": point, "n": n}
+        stdin.write(json.dumps(case) + "\n")
+        stdin.flush()
+        answer = stdout.readline()
+        assert answer, "the helper process died"
+        return int(json.loads(answer))
+
+    yield run
+    stdin.close()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_coverage(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    total = sum(covered.values())
+    detail = ", ".join(f"{k} {v}" for k, v in sorted(covered.items()))
+    line = f"sync kill points covered: {total} ({detail})"
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if capture is not None and reporter is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(line)
+    else:  # pragma: no cover - without the capture or terminal plugins
+        print(line)
+
+
+# --- the cases ----------------------------------------------------------------------------
+
+
+@dataclass
+class Crash:
+    """The module's store, pristine folders, published states and the kill helper."""
+
+    killer: Callable[..., int]
+    store: Path
+    folders: dict[int, Path]
+    states: list[Tensors]
+    tmp: Path
+
+    def killed(self, start: int | None, target: int, point: str, n: int = 1) -> Path:
+        """A copy of the folder at ``start`` (None: a new folder) whose pull to ``target``
+        was killed at ``point`` (its n-th occurrence)."""
+        dest = self.tmp / "dest"
+        if start is not None:
+            shutil.copytree(self.folders[start], dest)
+        assert self.killer(self.store, dest, target, point, n) == KILLED, f"{point} #{n}"
+        covered[point] += 1
+        assert (dest / PENDING).exists()  # a pull was under way
+        return dest
+
+    def frames(self, version: int) -> int:
+        """Scatters of the version's write phase: one per frame that changes something."""
+        m = json.loads((self.store / "manifests" / f"{version:020d}.json").read_text())
+        return sum(f["changed"] > 0 for t in m["tensors"].values() for f in t["frames"])
+
+    def recover(self, dest: Path, target: int, candidates: tuple[int, ...]) -> FolderSync:
+        """Pull the killed folder ``dest`` again in this process and check the result and
+        the repair against the oracle. Returns the FolderSync that recovered."""
+        try:
+            found = where(dest, self.states, candidates)
+        except CheckpointError:  # no file, or a half-created one
+            found = {}
+        recorded = read_state(dest)
+        consistent = recorded is not None and all(
+            np.array_equal(bits(t), bits(self.states[recorded.version][name]))
+            for name, t in MappedCheckpoint(locate(dest)).tensors.items()
+        )
+        folder = FolderSync(str(self.store), dest)
+        report = folder.pull(target)
+        assert report.version == target
+        assert_folder_at(dest, self.states, target)
+        repair = folder.last_repair
+        if consistent or not found:  # nothing to repair: a plain pull (or a new folder)
+            assert repair is None
+            return folder
+        assert repair is not None
+        assert (repair.target, repair.recorded) == (target, recorded.version if recorded else None)
+        expected: dict[int | None, set[str]] = {}
+        for name, v in found.items():
+            expected.setdefault(v, set()).add(name)
+        assert set(repair.rebuilt) == expected.pop(None, set())
+        assert {v: set(names) for v, names in repair.found.items()} == expected
+        if repair.rebuilt:
+            assert repair.anchor == max(a for a in ANCHORS if a <= target)
+            assert "inconsistent: rebuilt from anchor" in repair.summary()
+            assert report.kind == "anchor" and repair.anchor in report.applied
+        return folder
+
+
+@pytest.fixture
+def crash(
+    killer: Callable[..., int],
+    store: Path,
+    folders: dict[int, Path],
+    states: list[Tensors],
+    tmp_path: Path,
+) -> Crash:
+    return Crash(killer, store, folders, states, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("point", "n"),
+    [
+        ("fetch", 1),
+        ("fetch", 5),
+        ("decode", 3),
+        ("verified", 1),
+        ("write", 1),
+        ("write", 6),
+        ("write", -1),  # the last scatter of the version
+        ("record", 1),
+        ("rename", 1),
+    ],
+)
+def test_delta_pull_killed(crash: Crash, point: str, n: int) -> None:
+    """A folder at v3 pulling the delta v4, killed at ``point``."""
+    dest = crash.killed(3, 4, point, crash.frames(4) if n < 0 else n)
+    folder = crash.recover(dest, 4, (3, 4))
+    repair = folder.last_repair
+    if point in ("fetch", "decode", "verified"):  # before the write phase: still a good v3
+        assert repair is None
+    elif point == "write":  # halfway through the n-th frame: that tensor is at no version
+        assert repair is not None and len(repair.rebuilt) == 1
+    else:  # the whole version was written; the sidecar was not
+        assert repair is not None and set(repair.found) == {4} and not repair.rebuilt
+        assert repair.summary() == "10 tensors already at v4"
+    # the folder now follows the store as usual
+    assert folder.pull(6).applied == (5, 6)
+    assert_folder_at(dest, crash.states, 6)
+
+
+@pytest.mark.parametrize(
+    ("start", "target", "during", "applied"),
+    [
+        (2, 4, 4, (3, 4)),  # two deltas; killed in the second: the sidecar says v3
+        (3, 6, 5, (5, 6)),  # the anchor v5 applied in place over v3, killed while written
+        (3, 6, 6, (5, 6)),  # killed in the delta after it: the sidecar says v5
+    ],
+)
+def test_catch_up_killed_in_a_later_version(
+    crash: Crash, start: int, target: int, during: int, applied: tuple[int, ...]
+) -> None:
+    """A pull that applies several versions, killed in the middle of writing ``during``."""
+    before = applied[: applied.index(during)]
+    n = sum(crash.frames(v) for v in before) + crash.frames(during) // 2
+    dest = crash.killed(start, target, "write", n)
+    crash.recover(dest, target, (start, *applied))
+
+
+def test_in_place_anchor_pull_killed(crash: Crash) -> None:
+    """A folder at v4 applying the anchor v5 in place, killed halfway through its writes."""
+    dest = crash.killed(4, 5, "write", crash.frames(5) // 2)
+    repair = crash.recover(dest, 5, (4, 5)).last_repair
+    assert repair is not None and repair.anchor == 5 and len(repair.rebuilt) == 1
+
+
+@pytest.mark.parametrize(
+    ("point", "n"),
+    [
+        ("create", 1),
+        ("fetch", 3),
+        ("decode", 4),
+        ("record", 1),  # the anchor v1 is in the files, not yet recorded
+        ("write", 3),  # v1 recorded, killed while writing v2
+    ],
+)
+def test_new_folder_pull_killed(crash: Crash, point: str, n: int) -> None:
+    """A new folder filled from the anchor v1 and brought to v4, killed at ``point``: the
+    folder has the marker, files, and maybe no sidecar; the next pull resumes it."""
+    dest = crash.killed(None, 4, point, n)
+    repair = crash.recover(dest, 4, (1, 2, 3, 4)).last_repair
+    if point == "record":
+        assert repair is not None and set(repair.found) == {1}
+        assert repair.summary() == "10 tensors at v1 advanced to v4"
+
+
+def test_a_killed_repair_is_repaired(crash: Crash) -> None:
+    """The pull that repairs a killed pull is killed too, while it writes."""
+    dest = crash.killed(3, 4, "write", 2)
+    assert crash.killer(crash.store, dest, 4, "repair", 2) == KILLED
+    covered["repair"] += 1
+    assert (dest / PENDING).exists()
+    folder = FolderSync(str(crash.store), dest)
+    folder.pull(4)
+    assert_folder_at(dest, crash.states, 4)
+    assert folder.last_repair is not None
+
+
+def test_repair_is_reported_on_the_command_line(crash: Crash) -> None:
+    from deltastore.cli import app
+
+    dest = crash.killed(3, 4, "write", 2)
+    broken = sorted(n for n, v in where(dest, crash.states, (3, 4)).items() if v is None)
+    assert len(broken) == 1
+    result = CliRunner().invoke(app, ["pull", str(crash.store), str(dest), "--version", "4"])
+    assert result.exit_code == 0, result.output
+    assert "pulled v4" in result.stdout
+    said = "".join(result.stderr.split())  # rich may wrap the log line
+    assert "".join(f"1 tensor ({broken[0]}) inconsistent: rebuilt from anchor v1".split()) in said
+    assert_folder_at(dest, crash.states, 4)
+
+
+def test_a_folder_changed_by_hand_is_refused_unless_repair_is_asked(crash: Crash) -> None:
+    """No marker (no pull was interrupted): a mismatch is an error, and nothing is written;
+    ``repair=True`` repairs it; ``repair=False`` refuses even an interrupted pull."""
+    from deltastore.errors import TensorMismatchError
+
+    dest = Path(shutil.copytree(crash.folders[3], crash.tmp / "dest"))
+    store = str(crash.store)
+    name = "model.layers.1.mlp.up_proj.weight"
+    ck = MappedCheckpoint(locate(dest), writable=True)
+    ck.tensors[name].view(torch.int16)[7] ^= 0x40
+    ck.flush()
+    before = (dest / "model.safetensors").read_bytes()
+    with pytest.raises(TensorMismatchError, match=name):
+        FolderSync(store, dest).pull(4)
+    assert (dest / "model.safetensors").read_bytes() == before
+    assert not (dest / PENDING).exists()
+    (dest / PENDING).write_text("{}")
+    with pytest.raises(TensorMismatchError, match=name):
+        FolderSync(store, dest, repair=False).pull(4)
+    (dest / PENDING).unlink()
+    folder = FolderSync(store, dest, repair=True)
+    folder.pull(4)
+    assert_folder_at(dest, crash.states, 4)
+    assert folder.last_repair is not None and folder.last_repair.rebuilt == (name,)
+
+
+def test_a_repair_never_goes_back(crash: Crash) -> None:
+    """A killed pull of v4 into a folder at v3, then a pull of v2: refused, nothing written;
+    a pull of v3 (the recorded version) repairs the folder to v3."""
+    from deltastore.errors import ChainError
+
+    dest = crash.killed(3, 4, "write", 4)
+    before = (dest / "model.safetensors").read_bytes()
+    with pytest.raises(ChainError, match="newer than the requested 2"):
+        FolderSync(str(crash.store), dest).pull(2)
+    assert (dest / "model.safetensors").read_bytes() == before
+    FolderSync(str(crash.store), dest).pull(3)
+    assert_folder_at(dest, crash.states, 3)
