@@ -25,8 +25,10 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -192,6 +194,14 @@ class Manifest(_Model, SizeRatios):
             raise ValueError("signature is an object when present; an unsigned manifest omits it")
         return value
 
+    @model_serializer(mode="wrap")
+    def _omit_absent_signature(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Every dump (``model_dump``, JSON, ``to_bytes``) leaves out an absent signature."""
+        data: dict[str, Any] = handler(self)
+        if self.signature is None:
+            data.pop("signature", None)
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> Manifest:
         if self.parent is not None and self.parent.version >= self.version:
@@ -244,8 +254,6 @@ class Manifest(_Model, SizeRatios):
 
     def to_bytes(self) -> bytes:
         """Serialized manifest (UTF-8 JSON) exactly as committed."""
-        if self.signature is None:
-            return self.canonical_bytes()
         return self.model_dump_json(indent=1).encode() + b"\n"
 
     def canonical_bytes(self) -> bytes:

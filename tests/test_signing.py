@@ -220,6 +220,9 @@ def test_unsigned_store_still_works_without_a_key(tmp_path: Path) -> None:
     for i, tensors in enumerate(vs[:2], start=1):
         pub.publish(tensors, version=i)
     assert b"signature" not in manifest_bytes(tmp_path, 2)
+    unsigned = parse_manifest(manifest_bytes(tmp_path, 2))
+    assert "signature" not in unsigned.model_dump()  # absent, not null, in every dump
+    assert "signature" not in json.loads(unsigned.model_dump_json())
     sub = Subscriber(tmp_path, signing_key=None)
     assert sub.sync().version == 2
     # and a keyed subscriber refuses it: a fresh one reads no data object at all
@@ -533,3 +536,16 @@ def test_spec_example_signature() -> None:
     signed = sign_manifest(m, SigningKey("example-key", bytes(range(32))))
     assert signed.signature is not None and signed.signature.hmac_sha256 == documented
     assert f"({len(signed.to_bytes())} bytes stored)" in example
+
+
+def test_tensors_handed_over_at_an_unsigned_version_are_refused(tmp_path: Path) -> None:
+    """A keyed subscriber told its tensors are at version 1 checks version 1's manifest too."""
+    vs = versions()
+    Publisher(tmp_path, signing_key=None, **OPTIONS).publish(vs[0], version=1)
+    tensors = {n: t.clone() for n, t in vs[0].items()}
+    store = FaultyStore(LocalStore(tmp_path))
+    sub = Subscriber(store, tensors=tensors, version=1, signing_key=KEY)
+    with pytest.raises(SignatureError, match="not signed"):
+        sub.sync()
+    assert not [op for op in store.ops if op.key.startswith("versions/")]
+    assert all(torch.equal(bits(tensors[n]), bits(t)) for n, t in vs[0].items())
