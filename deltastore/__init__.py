@@ -26,6 +26,8 @@ from deltastore.errors import (
     WrongParentError,
 )
 from deltastore.faults import FaultyStore, InjectedFault
+from deltastore.folders import FolderRepair, FolderSync
+from deltastore.fsck import Problem, VerifyReport, verify_checkout, verify_store
 from deltastore.layout import Layout, fuse, replicate, shard, stack
 from deltastore.manifest import Manifest, parse_manifest
 from deltastore.presets import ModelSpec, hf_shapes, vllm_layout
@@ -39,6 +41,8 @@ __all__ = [
     "ChainError",
     "DeltastoreError",
     "FaultyStore",
+    "FolderRepair",
+    "FolderSync",
     "FrameError",
     "InjectedFault",
     "IntegrityError",
@@ -52,6 +56,7 @@ __all__ = [
     "ModelSpec",
     "ObjectNotFoundError",
     "PreconditionFailedError",
+    "Problem",
     "PublishReport",
     "Publisher",
     "RankError",
@@ -65,6 +70,7 @@ __all__ = [
     "SyncReport",
     "TensorMismatchError",
     "UnsupportedFormatError",
+    "VerifyReport",
     "VersionExistsError",
     "VersionNotCommittedError",
     "VersionOrderError",
@@ -78,5 +84,7 @@ __all__ = [
     "replicate",
     "shard",
     "stack",
+    "verify_checkout",
+    "verify_store",
     "vllm_layout",
 ]

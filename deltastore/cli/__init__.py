@@ -341,6 +341,54 @@ def gc_cmd(
 
 
 @app.command()
+def verify(
+    ctx: typer.Context,
+    store: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="STORE",
+            help="The store (with --checkout: optional, to check the sidecar against it).",
+            show_default=False,
+        ),
+    ] = None,
+    deep: Annotated[
+        bool,
+        typer.Option("--deep", help="Also replay every version and check each tensor's Adler-32."),
+    ] = False,
+    checkout: Annotated[
+        Path | None,
+        typer.Option(
+            "--checkout", metavar="DEST", help="Check a pulled folder against its version instead."
+        ),
+    ] = None,
+    storage_option: StorageOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Check a store for damage (fsck), or with --checkout a folder `pull` wrote."""
+    from deltastore.cli._common import EXIT_DAMAGED
+    from deltastore.fsck import verify_checkout, verify_store
+
+    if checkout is None and store is None:
+        raise typer.BadParameter("give STORE, or --checkout DEST")
+    if checkout is not None and deep:
+        raise typer.BadParameter("--deep checks a store; drop it with --checkout")
+    options = parse_storage_options(storage_option)
+    with handle_errors(ctx), progress_bar(ctx, "verify") as progress:
+        if checkout is not None:
+            report = verify_checkout(checkout, store, storage_options=options)
+        elif store is not None:
+            report = verify_store(store, deep=deep, storage_options=options, progress=progress)
+    if json_out:
+        print_json(report.to_json())
+    else:
+        for problem in report.problems:
+            out_console.print(Text(problem.line()), highlight=False)
+        out_console.print(Text(report.summary()), highlight=False)
+    if not report.ok:
+        raise typer.Exit(EXIT_MISMATCH if checkout is not None else EXIT_DAMAGED)
+
+
+@app.command()
 def demo(
     ctx: typer.Context,
     store: Annotated[

@@ -1,0 +1,367 @@
+"""``deltastore verify`` (issue 7, item 6): the store fsck and the checkout check.
+
+A pristine store (v1 anchor, v2-v4 deltas, v5 an anchor on v4, v6 a delta; small frames and
+several data objects per version) passes the fast and the deep check. Each kind of damage is
+made on a copy and must be reported with its kind, version and key: a missing object, a
+truncated object, a flipped byte (XXH3), a damaged manifest, a missing parent manifest, a
+wrong parent digest, a wrong parent Adler-32, a damaged LATEST, and a frame re-encoded with
+another value whose hash and length were fixed in the manifest (valid zstd, so only the deep
+check finds it, by Adler-32). ``--checkout`` checks pulled folders, healthy and tampered. The
+deep replay's memory is bounded by a tensor, not the model (tracemalloc).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+import zstandard
+from typer.testing import CliRunner, Result
+
+from deltastore import Publisher
+from deltastore.checkpoint import CheckpointError, MappedCheckpoint, locate
+from deltastore.cli import _common as common
+from deltastore.cli import app
+from deltastore.folders import SIDECAR, pull_checkpoint
+from deltastore.fsck import (
+    ADLER32,
+    CHAIN,
+    LATEST,
+    MANIFEST,
+    MISSING_OBJECT,
+    MISSING_PARENT,
+    PARENT_ADLER32,
+    PARENT_DIGEST,
+    SIDECAR_MISMATCH,
+    TABLE,
+    TRUNCATED,
+    XXH3,
+    VerifyReport,
+    verify_checkout,
+    verify_store,
+)
+from deltastore.manifest import LATEST_KEY, manifest_key
+from deltastore.progress import Progress
+from tests.test_crash_sync import make_states
+
+Tensors = dict[str, torch.Tensor]
+VERSIONS = 6
+
+
+@pytest.fixture(scope="module")
+def history() -> list[Tensors]:
+    """Six tensors: four bf16 matrices, a bf16 vector and a float32 one."""
+    shapes = {f"model.layers.{i}.mlp.up_proj.weight": (48, 32) for i in range(4)}
+    return make_states(shapes | {"model.norm.weight": (32,)}, versions=VERSIONS, seed=3)
+
+
+@pytest.fixture(scope="module")
+def pristine(history: list[Tensors], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("verify") / "store"
+    pub = Publisher(path, max_frame_bytes=1024, max_object_bytes=4096)
+    for v in range(1, VERSIONS + 1):
+        pub.publish(history[v], version=v, anchor=True if v == 5 else None)
+    return path
+
+
+@pytest.fixture
+def store(pristine: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(pristine, tmp_path / "store"))
+
+
+def manifest(store: Path, version: int) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((store / manifest_key(version)).read_text())
+    return data
+
+
+def rewrite(store: Path, version: int, m: dict[str, Any]) -> None:
+    (store / manifest_key(version)).write_text(json.dumps(m, indent=1) + "\n")
+
+
+def objects(store: Path, version: int) -> list[Path]:
+    return sorted((store / "versions" / f"{version:020d}").glob("*.dsz"))
+
+
+def kinds(report: VerifyReport) -> list[tuple[str, int | None]]:
+    return sorted((p.kind, p.version) for p in report.problems)
+
+
+def cli(*args: str | Path) -> Result:
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+# --- healthy ------------------------------------------------------------------------------
+
+
+def test_a_healthy_store_passes_fast_and_deep(pristine: Path) -> None:
+    events: list[Progress] = []
+    fast = verify_store(pristine, progress=events.append)
+    assert fast.ok and fast.mode == "store", fast.problems
+    assert fast.versions == tuple(range(1, VERSIONS + 1))
+    frames = sum(
+        len(t["frames"]) for v in fast.versions for t in manifest(pristine, v)["tensors"].values()
+    )
+    assert fast.frames == frames
+    assert events and events[-1].frames_done == frames == events[-1].frames_total
+    stored = sum(p.stat().st_size for v in fast.versions for p in objects(pristine, v))
+    assert fast.bytes_read == stored and fast.orphans == 0
+    deep = verify_store(pristine, deep=True)
+    assert deep.ok and deep.mode == "deep", deep.problems
+    assert deep.tensors_checked == 6 * VERSIONS and deep.unverified == 0
+    assert deep.bytes_read == 2 * stored
+    assert deep.summary().endswith(": ok")
+    result = cli("verify", pristine, "--deep")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [deep.summary()]
+    as_json = json.loads(cli("verify", pristine, "--json").stdout)
+    assert as_json["ok"] is True and as_json["problems"] == [] and as_json["mode"] == "store"
+
+
+def test_an_empty_or_missing_store_has_nothing_wrong(tmp_path: Path) -> None:
+    report = verify_store(tmp_path / "nothing")
+    assert report.ok and report.versions == ()
+    assert cli("verify", tmp_path / "nothing").exit_code == 0
+
+
+# --- damage -------------------------------------------------------------------------------
+
+
+def assert_damaged(
+    store: Path, expected: list[tuple[str, int | None]], *, deep: bool = False
+) -> VerifyReport:
+    report = verify_store(store, deep=deep)
+    assert kinds(report) == sorted(expected), [p.line() for p in report.problems]
+    result = cli("verify", store, *(["--deep"] if deep else []))
+    assert result.exit_code == common.EXIT_DAMAGED, result.output
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == len(expected) + 1
+    assert all(line.split(":")[0] in {k for k, _ in expected} for line in lines[:-1])
+    assert lines[-1] == report.summary()
+    return report
+
+
+def test_missing_object(store: Path) -> None:
+    gone = objects(store, 3)[0]
+    gone.unlink()
+    report = assert_damaged(store, [(MISSING_OBJECT, 3)])
+    assert report.problems[0].key == gone.relative_to(store).as_posix()
+    deep = verify_store(store, deep=True)
+    assert kinds(deep) == [(MISSING_OBJECT, 3)] and deep.unverified > 0
+
+
+def test_truncated_object(store: Path) -> None:
+    obj = objects(store, 2)[0]
+    obj.write_bytes(obj.read_bytes()[: obj.stat().st_size // 2])
+    report = assert_damaged(store, [(TRUNCATED, 2)])
+    assert "ends at byte" in report.problems[0].message
+    assert kinds(verify_store(store, deep=True)) == [(TRUNCATED, 2)]
+
+
+def test_flipped_byte_fails_the_xxh3(store: Path) -> None:
+    m = manifest(store, 4)
+    name, entry = next((n, e) for n, e in m["tensors"].items() if e["frames"])
+    f = entry["frames"][0]
+    path = store / f["object"]
+    raw = bytearray(path.read_bytes())
+    raw[f["offset"] + f["length"] // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+    report = assert_damaged(store, [(XXH3, 4)])
+    assert report.problems[0].tensor == name and report.problems[0].key == f["object"]
+
+
+def test_damaged_manifest(store: Path, pristine: Path) -> None:
+    (store / manifest_key(4)).write_text('{"format_version": 1, "version": 4')
+    # v5 is an anchor (it does not need v4); v4's objects are now orphans
+    report = assert_damaged(store, [(MANIFEST, 4)])
+    assert report.orphans == len(objects(store, 4))
+    shutil.copy(pristine / manifest_key(4), store / manifest_key(4))
+    m = manifest(store, 2)
+    m["version"] = 7  # parses, but names another version than its key
+    rewrite(store, 2, m)
+    report = assert_damaged(store, [(MANIFEST, 2), (CHAIN, 3), (CHAIN, 4)])
+    assert [p.message for p in report.problems if p.kind == CHAIN] == [
+        "its parent version 2 is damaged",
+        "cannot be reached from an anchor: its chain breaks at version 3",
+    ]
+
+
+def test_missing_parent_manifest(store: Path) -> None:
+    (store / manifest_key(2)).unlink()
+    report = assert_damaged(store, [(MISSING_PARENT, 3), (CHAIN, 4)])
+    chain = next(p for p in report.problems if p.kind == CHAIN)
+    assert "breaks at version 3" in chain.message
+    deep = verify_store(store, deep=True)
+    assert kinds(deep) == kinds(report) and deep.unverified == 2 * 6  # v3 and v4 not reached
+
+
+def test_wrong_parent_digest(store: Path) -> None:
+    m = manifest(store, 3)
+    m["parent"]["state_digest"] = "0" * 64
+    rewrite(store, 3, m)
+    assert_damaged(store, [(PARENT_DIGEST, 3), (CHAIN, 4)])
+
+
+def test_wrong_parent_adler32(store: Path) -> None:
+    m = manifest(store, 4)  # v5 is an anchor: nothing depends on v4
+    name = "model.norm.weight"
+    m["tensors"][name]["parent_adler32"] ^= 1
+    rewrite(store, 4, m)
+    report = assert_damaged(store, [(PARENT_ADLER32, 4)])
+    assert report.problems[0].tensor == name
+
+
+def test_damaged_latest(store: Path) -> None:
+    (store / LATEST_KEY).write_text("not json")
+    assert_damaged(store, [(LATEST, None)])
+
+
+def test_latest_with_another_sha256(store: Path) -> None:
+    latest = json.loads((store / LATEST_KEY).read_text())
+    latest["sha256"] = "f" * 64
+    (store / LATEST_KEY).write_text(json.dumps(latest))
+    assert_damaged(store, [(LATEST, VERSIONS)])
+
+
+def craft_wrong_values(store: Path, version: int) -> str:
+    """Re-encode the first frame of a tensor of ``version`` (a raw anchor frame) with one
+    element changed, store it in a new object, and point the manifest at it with the right
+    length and XXH3-64: a frame that is valid in every way but its content."""
+    m = manifest(store, version)
+    name = "model.layers.2.mlp.up_proj.weight"
+    f = m["tensors"][name]["frames"][0]
+    assert f["codec"] == "raw"
+    stored = (store / f["object"]).read_bytes()[f["offset"] : f["offset"] + f["length"]]
+    words = np.frombuffer(zstandard.ZstdDecompressor().decompress(stored), dtype="<u2").copy()
+    words[3] ^= 0x0100
+    frame = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(words.tobytes())
+    key = f"versions/{version:020d}/{'e' * 12}-000000.dsz"
+    (store / key).write_bytes(frame)
+    f.update(object=key, offset=0, length=len(frame), xxh3=xxhash.xxh3_64_hexdigest(frame))
+    rewrite(store, version, m)
+    return name
+
+
+@pytest.mark.parametrize("version", [1, 5])
+def test_wrong_values_in_a_valid_frame_only_the_deep_check_finds(store: Path, version: int) -> None:
+    name = craft_wrong_values(store, version)
+    fast = verify_store(store)
+    assert fast.ok, fast.problems
+    assert cli("verify", store).exit_code == 0
+    deep = assert_damaged(store, [(ADLER32, version)], deep=True)
+    problem = deep.problems[0]
+    assert problem.tensor == name and "decodes to Adler-32" in problem.message
+    # the versions after it cannot be replayed for that tensor: counted, not reported
+    assert deep.unverified == (3 if version == 1 else 1)
+
+
+# --- memory of the deep check -------------------------------------------------------------
+
+
+def randn(n: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(n, generator=g).to(torch.bfloat16)
+
+
+def deep_peak(path: Path, elements: int) -> tuple[int, int]:
+    """(model bytes, peak traced memory of a deep check) for a store of 40 bf16 tensors of
+    ``elements`` each, 3 versions, 4 frames per tensor whatever the size."""
+    g = torch.Generator().manual_seed(5)
+    tensors = {
+        f"w{i:02d}": torch.randn(elements, generator=g).to(torch.bfloat16) for i in range(40)
+    }
+    pub = Publisher(path, max_frame_bytes=elements // 2)
+    pub.publish(tensors, version=1)
+    for v in (2, 3):
+        for t in tensors.values():
+            t[v::29] += 1.0
+        pub.publish(tensors, version=v)
+    tracemalloc.start()
+    try:
+        report = verify_store(path, deep=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert report.ok and report.tensors_checked == 120 and report.frames == 40 * 4 * 3
+    return 40 * 2 * elements, peak
+
+
+def test_deep_replay_memory_is_bounded_by_a_tensor(tmp_path: Path) -> None:
+    """Tensors 4x larger (same count, same frames): the peak grows by about one tensor
+    (and the frames in flight), not by the model (5 MiB -> 20 MiB). numpy's allocations are
+    traced; the fixed part is the decoder's 2 MiB of buffers and the parsed manifests."""
+    small_model, small = deep_peak(tmp_path / "small", 64 << 10)
+    big_model, big = deep_peak(tmp_path / "big", 256 << 10)
+    tensor = 2 * (256 << 10)
+    assert big - small < 4 * tensor < (big_model - small_model) / 7, (small, big)
+    assert big < big_model / 4, big
+
+
+# --- checkout -----------------------------------------------------------------------------
+
+
+def test_checkout_healthy_and_tampered(
+    pristine: Path, history: list[Tensors], tmp_path: Path
+) -> None:
+    dest = tmp_path / "dest"
+    pull_checkpoint(str(pristine), dest)
+    for url in (None, str(pristine)):
+        report = verify_checkout(dest, url)
+        assert report.ok and report.mode == "checkout" and report.versions == (VERSIONS,)
+        assert report.tensors_checked == 6
+    assert cli("verify", "--checkout", dest).exit_code == 0
+    ok = cli("verify", "--checkout", dest, pristine)
+    assert ok.exit_code == 0 and ok.stdout.strip().endswith(": ok")
+    name = "model.layers.1.mlp.up_proj.weight"
+    ck = MappedCheckpoint(locate(dest), writable=True)
+    ck.tensors[name].view(torch.int16)[5] ^= 0x0004
+    ck.flush()
+    report = verify_checkout(dest, pristine)
+    assert kinds(report) == [(ADLER32, VERSIONS)]
+    assert report.problems[0].tensor == name and report.problems[0].key == "model.safetensors"
+    result = cli("verify", "--checkout", dest, pristine, "--json")
+    assert result.exit_code == common.EXIT_MISMATCH
+    data = json.loads(result.stdout)
+    assert [p["tensor"] for p in data["problems"]] == [name] and data["ok"] is False
+    text = cli("verify", "--checkout", dest)
+    assert text.exit_code == common.EXIT_MISMATCH and name in text.stdout
+
+
+def test_checkout_sidecar_disagrees_with_the_store(pristine: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    pull_checkpoint(str(pristine), dest, version=3)
+    sidecar = json.loads((dest / SIDECAR).read_text())
+    sidecar["state_digest"] = "1" * 64
+    (dest / SIDECAR).write_text(json.dumps(sidecar))
+    assert verify_checkout(dest).ok  # the files match the sidecar's checksums
+    report = verify_checkout(dest, pristine)
+    assert kinds(report) == [(SIDECAR_MISMATCH, 3)]
+
+
+def test_checkout_of_a_folder_with_another_table(pristine: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    pull_checkpoint(str(pristine), dest, version=2)
+    sidecar = json.loads((dest / SIDECAR).read_text())
+    sidecar["adler32"]["extra.weight"] = 1
+    (dest / SIDECAR).write_text(json.dumps(sidecar))
+    report = verify_checkout(dest)
+    assert kinds(report) == [(TABLE, 2)] and report.problems[0].tensor == "extra.weight"
+
+
+def test_checkout_of_a_folder_deltastore_did_not_write(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=SIDECAR):
+        verify_checkout(tmp_path)
+    result = cli("verify", "--checkout", tmp_path)
+    assert result.exit_code == common.EXIT_MISMATCH
+
+
+@pytest.mark.parametrize(
+    "args", [("verify",), ("verify", "--checkout", ".", "--deep")], ids=["nothing", "deep-checkout"]
+)
+def test_verify_usage_errors(args: tuple[str, ...]) -> None:
+    assert cli(*args).exit_code == common.EXIT_USAGE
