@@ -35,14 +35,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
-import numpy as np
 import xxhash
 
+from deltastore._replay import ADLER32, FRAME, Replay
 from deltastore.checkpoint import CheckpointError, MappedCheckpoint, locate, table_of
-from deltastore.checksum import adler32
-from deltastore.codecs import RAW, XOR_SPARSE, FrameDecoder
-from deltastore.dtypes import itemsize, word_dtype
-from deltastore.errors import FrameError, ManifestError, ObjectNotFoundError
+from deltastore.errors import ManifestError, ObjectNotFoundError
 from deltastore.folders import PENDING, SIDECAR, checksums, read_state
 from deltastore.manifest import (
     DATA_PREFIX,
@@ -50,7 +47,6 @@ from deltastore.manifest import (
     MANIFEST_PREFIX,
     Frame,
     Manifest,
-    TensorEntry,
     manifest_key,
     parse_latest,
     parse_manifest,
@@ -80,10 +76,9 @@ PARENT_ADLER32: Final = "parent-adler32"
 CHAIN: Final = "chain"
 #: ``LATEST`` is damaged, or names a version that is missing or has other bytes.
 LATEST: Final = "latest"
-#: (deep) A frame does not decode, or changes another number of elements than it says.
-FRAME: Final = "frame"
-#: (deep, checkout) Bytes whose Adler-32 is not the manifest's (or the sidecar's).
-ADLER32: Final = "adler32"
+# FRAME (deep: a frame does not decode, or changes another number of elements than it says)
+# and ADLER32 (deep, checkout: bytes whose Adler-32 is not the manifest's or the sidecar's)
+# come from deltastore._replay.
 #: (checkout) The folder holds other tensors, dtypes or shapes than its version.
 TABLE: Final = "table"
 #: (checkout) The sidecar disagrees with its version's manifest.
@@ -108,6 +103,17 @@ class Problem:
             x for x in (f"v{self.version}" if self.version is not None else "", self.key or "") if x
         )
         return f"{self.kind}: {where + ': ' if where else ''}{self.message}"
+
+
+class _Found(list[Problem]):
+    """Problems found so far."""
+
+    def add(
+        self, kind: str, version: int | None, key: str | None, msg: str, tensor: str | None = None
+    ) -> bool:
+        """Append one; False (for ``return found.add(...)`` where a check fails)."""
+        self.append(Problem(kind, version, key, msg, tensor))
+        return False
 
 
 @dataclass(frozen=True)
@@ -165,7 +171,7 @@ class VerifyReport:
 
 
 def _report(
-    target: str, mode: Mode, versions: Iterable[int], problems: list[Problem], t0: float, **kw: int
+    target: str, mode: Mode, versions: Iterable[int], problems: _Found, t0: float, **kw: int
 ) -> VerifyReport:
     return VerifyReport(
         target=target,
@@ -209,7 +215,7 @@ def verify_store(
     """
     t0 = time.perf_counter()
     store = open_store(url, storage_options)
-    problems: list[Problem] = []
+    problems = _Found()
     listed, manifests, shas = _read_manifests(store, problems)
     _check_latest(store, manifests, shas, problems)
     _check_chains(listed, manifests, problems)
@@ -226,7 +232,7 @@ def verify_store(
     orphans = sum(k not in named for k in store.list(DATA_PREFIX))
     checked = unverified = 0
     if deep:
-        replay = _Replay(store, manifests, bad, problems, ticker)
+        replay = Replay(store, manifests, bad, problems.add, ticker)
         checked, unverified = replay.run()
         nbytes += replay.nbytes
     return _report(
@@ -244,7 +250,7 @@ def verify_store(
 
 
 def _read_manifests(
-    store: Store, problems: list[Problem]
+    store: Store, problems: _Found
 ) -> tuple[set[int], dict[int, Manifest], dict[int, str]]:
     """Listed versions, the manifests that parse, and the SHA-256 of their bytes."""
     listed: set[int] = set()
@@ -259,20 +265,20 @@ def _read_manifests(
             data = store.get(key)
             m = parse_manifest(data, key=key)
         except ObjectNotFoundError:
-            problems.append(Problem(MANIFEST, v, key, "listed, but gone when read"))
+            problems.add(MANIFEST, v, key, "listed, but gone when read")
             continue
         except ManifestError as exc:
-            problems.append(Problem(MANIFEST, v, key, str(exc)))
+            problems.add(MANIFEST, v, key, str(exc))
             continue
         if m.version != v:
-            problems.append(Problem(MANIFEST, v, key, f"claims version {m.version}"))
+            problems.add(MANIFEST, v, key, f"claims version {m.version}")
             continue
         manifests[v], shas[v] = m, hashlib.sha256(data).hexdigest()
     return listed, manifests, shas
 
 
 def _check_latest(
-    store: Store, manifests: dict[int, Manifest], shas: dict[int, str], problems: list[Problem]
+    store: Store, manifests: dict[int, Manifest], shas: dict[int, str], problems: _Found
 ) -> None:
     try:
         data = store.get(LATEST_KEY)
@@ -281,20 +287,18 @@ def _check_latest(
     try:
         hint = parse_latest(data)
     except ManifestError as exc:
-        problems.append(Problem(LATEST, None, LATEST_KEY, str(exc)))
+        problems.add(LATEST, None, LATEST_KEY, str(exc))
         return
     if hint.version not in manifests or hint.manifest != manifest_key(hint.version):
-        problems.append(
-            Problem(LATEST, hint.version, LATEST_KEY, f"names {hint.manifest}, not a good manifest")
+        problems.add(
+            LATEST, hint.version, LATEST_KEY, f"names {hint.manifest}, not a good manifest"
         )
     elif shas[hint.version] != hint.sha256:
-        problems.append(
-            Problem(
-                LATEST,
-                hint.version,
-                LATEST_KEY,
-                f"names version {hint.version} with another SHA-256 than its manifest's",
-            )
+        problems.add(
+            LATEST,
+            hint.version,
+            LATEST_KEY,
+            f"names version {hint.version} with another SHA-256 than its manifest's",
         )
 
 
@@ -304,54 +308,46 @@ def _same_table(a: Manifest, b: Manifest) -> bool:
     }
 
 
-def _check_link(m: Manifest, parent: Manifest, problems: list[Problem]) -> bool:
+def _check_link(m: Manifest, parent: Manifest, problems: _Found) -> bool:
     """Check ``m`` against its parent's manifest; False when a delta cannot apply to it."""
     key = manifest_key(m.version)
     if m.parent is None:  # pragma: no cover - callers pass versions with a parent
         return True
     ok = True
     if m.parent.state_digest != parent.state_digest:
-        problems.append(
-            Problem(
-                PARENT_DIGEST,
-                m.version,
-                key,
-                f"names parent {parent.version} with state digest {m.parent.state_digest[:16]}…, "
-                f"the parent's is {parent.state_digest[:16]}…",
-            )
+        problems.add(
+            PARENT_DIGEST,
+            m.version,
+            key,
+            f"names parent {parent.version} with state digest {m.parent.state_digest[:16]}…, "
+            f"the parent's is {parent.state_digest[:16]}…",
         )
         ok = False
     if not _same_table(m, parent):
         if m.kind == "delta":
-            problems.append(
-                Problem(
-                    PARENT_TABLE,
-                    m.version,
-                    key,
-                    f"names other tensors, dtypes or shapes than its parent {parent.version}",
-                )
+            problems.add(
+                PARENT_TABLE,
+                m.version,
+                key,
+                f"names other tensors, dtypes or shapes than its parent {parent.version}",
             )
             ok = False
         return ok or m.kind == "anchor"
     for name, e in m.tensors.items():
         if e.parent_adler32 is not None and e.parent_adler32 != parent.tensors[name].adler32:
-            problems.append(
-                Problem(
-                    PARENT_ADLER32,
-                    m.version,
-                    key,
-                    f"parent_adler32 {e.parent_adler32:08x}, the parent {parent.version} says "
-                    f"{parent.tensors[name].adler32:08x}",
-                    name,
-                )
+            problems.add(
+                PARENT_ADLER32,
+                m.version,
+                key,
+                f"parent_adler32 {e.parent_adler32:08x}, the parent {parent.version} says "
+                f"{parent.tensors[name].adler32:08x}",
+                name,
             )
             ok = False
     return ok or m.kind == "anchor"
 
 
-def _check_chains(
-    listed: set[int], manifests: dict[int, Manifest], problems: list[Problem]
-) -> None:
+def _check_chains(listed: set[int], manifests: dict[int, Manifest], problems: _Found) -> None:
     """Every delta's link to its parent, and whether each version reaches an anchor."""
     reach: dict[int, bool] = {}
     breaks: dict[int, int] = {}  # unreachable version -> where its chain breaks
@@ -368,13 +364,9 @@ def _check_chains(
         if parent is None:
             link = m.kind == "anchor"  # an anchor does not need its parent
             if not link and p not in listed:
-                problems.append(
-                    Problem(MISSING_PARENT, v, manifest_key(v), f"parent version {p} is missing")
-                )
+                problems.add(MISSING_PARENT, v, manifest_key(v), f"parent version {p} is missing")
             elif not link:
-                problems.append(
-                    Problem(CHAIN, v, manifest_key(v), f"its parent version {p} is damaged")
-                )
+                problems.add(CHAIN, v, manifest_key(v), f"its parent version {p} is damaged")
         else:
             link = _check_link(m, parent, problems)
         if m.kind == "anchor":
@@ -385,18 +377,16 @@ def _check_chains(
             reach[v] = True
         else:
             reach[v], breaks[v] = False, breaks.get(p, p)
-            problems.append(
-                Problem(
-                    CHAIN,
-                    v,
-                    manifest_key(v),
-                    f"cannot be reached from an anchor: its chain breaks at version {breaks[v]}",
-                )
+            problems.add(
+                CHAIN,
+                v,
+                manifest_key(v),
+                f"cannot be reached from an anchor: its chain breaks at version {breaks[v]}",
             )
 
 
 def _check_objects(
-    store: Store, refs: list[_Ref], problems: list[Problem], ticker: Ticker, workers: int
+    store: Store, refs: list[_Ref], problems: _Found, ticker: Ticker, workers: int
 ) -> tuple[set[tuple[str, int]], int]:
     """Read every frame; return the ``(object, offset)`` of those that are missing or bad,
     and the bytes read."""
@@ -405,7 +395,7 @@ def _check_objects(
         by_object.setdefault(r.frame.object, []).append(r)
 
     def check(key: str) -> tuple[list[Problem], set[tuple[str, int]], int]:
-        found: list[Problem] = []
+        found = _Found()
         bad: set[tuple[str, int]] = set()
         nbytes = 0
         frames = sorted(by_object[key], key=lambda r: r.frame.offset)
@@ -417,14 +407,12 @@ def _check_objects(
                 data = store.get_range(key, f.offset, f.length)
             except ObjectNotFoundError:
                 tensors = sorted({r.tensor for r in frames})
-                found.append(
-                    Problem(
-                        MISSING_OBJECT,
-                        versions[0],
-                        key,
-                        f"missing; {len(frames)} frames of {len(tensors)} tensors "
-                        f"({', '.join(tensors[:3])}{', …' if len(tensors) > 3 else ''}) are in it",
-                    )
+                found.add(
+                    MISSING_OBJECT,
+                    versions[0],
+                    key,
+                    f"missing; {len(frames)} frames of {len(tensors)} tensors "
+                    f"({', '.join(tensors[:3])}{', …' if len(tensors) > 3 else ''}) are in it",
                 )
                 ticker.tick(sum(r.frame.length for r in frames), len(frames))
                 return found, {(key, r.frame.offset) for r in frames}, nbytes
@@ -434,29 +422,25 @@ def _check_objects(
                 short.append((r, len(data)))
                 bad.add((key, f.offset))
             elif xxhash.xxh3_64_hexdigest(data) != f.xxh3:
-                found.append(
-                    Problem(
-                        XXH3,
-                        r.version,
-                        key,
-                        f"frame {r.where} at offset {f.offset} has another XXH3-64 than "
-                        f"{f.xxh3}: its bytes are damaged",
-                        r.tensor,
-                    )
+                found.add(
+                    XXH3,
+                    r.version,
+                    key,
+                    f"frame {r.where} at offset {f.offset} has another XXH3-64 than "
+                    f"{f.xxh3}: its bytes are damaged",
+                    r.tensor,
                 )
                 bad.add((key, f.offset))
         if short:
             r, got = short[0]
-            found.append(
-                Problem(
-                    TRUNCATED,
-                    r.version,
-                    key,
-                    f"ends at byte {r.frame.offset + got}: frame {r.where} needs "
-                    f"{r.frame.length} bytes at offset {r.frame.offset}; {len(short)} frames "
-                    "are cut short or missing",
-                    r.tensor,
-                )
+            found.add(
+                TRUNCATED,
+                r.version,
+                key,
+                f"ends at byte {r.frame.offset + got}: frame {r.where} needs "
+                f"{r.frame.length} bytes at offset {r.frame.offset}; {len(short)} frames "
+                "are cut short or missing",
+                r.tensor,
             )
         return found, bad, nbytes
 
@@ -468,154 +452,6 @@ def _check_objects(
             out |= bad
             total += nbytes
     return out, total
-
-
-class _Replay:
-    """Deep check: replay each tensor's chain in memory, one tensor at a time."""
-
-    def __init__(
-        self,
-        store: Store,
-        manifests: dict[int, Manifest],
-        bad: set[tuple[str, int]],
-        problems: list[Problem],
-        ticker: Ticker,
-    ) -> None:
-        self.store, self.manifests, self.bad = store, manifests, bad
-        self.problems, self.ticker = problems, ticker
-        self.dec = FrameDecoder()
-        self.nbytes = 0
-
-    def run(self) -> tuple[int, int]:
-        """(tensor checksums checked, (version, tensor) pairs not reached)."""
-        checked = unverified = 0
-        names = dict.fromkeys(n for v in sorted(self.manifests) for n in self.manifests[v].tensors)
-        for name in names:
-            state: tuple[int, np.ndarray] | None = None  # (version, words) of this tensor
-            failed: set[int] = set()  # versions whose replay of this tensor failed
-            for v, m in sorted(self.manifests.items()):
-                entry = m.tensors.get(name)
-                if entry is None:
-                    continue
-                parent = m.parent.version if m.parent is not None else None
-                if m.kind == "delta" and (state is None or state[0] != parent):
-                    state = None  # drop it before another copy is rebuilt
-                buf = self._base(name, m, entry, state[1] if state else None, failed)
-                before = len(self.problems)
-                if buf is not None and self._apply(name, m, entry, buf, report=True):
-                    state = (v, buf)
-                    checked += 1
-                    continue
-                state = None
-                failed.add(v)
-                unverified += len(self.problems) == before  # not reached: a problem upstream
-        return checked, unverified
-
-    def _base(
-        self,
-        name: str,
-        m: Manifest,
-        entry: TensorEntry,
-        held: np.ndarray | None,
-        failed: set[int],
-    ) -> np.ndarray | None:
-        """The buffer to apply ``m`` to: for a delta, ``held`` (the tensor at the parent) or
-        the parent rebuilt from its anchor; for an anchor, any buffer of the right size."""
-        words = word_dtype(itemsize(entry.dtype))
-        if m.kind == "anchor":
-            if held is not None and held.size == entry.numel and held.dtype == words:
-                return held
-            return np.zeros(entry.numel, dtype=words)
-        if held is not None:
-            return held
-        chain: list[Manifest] = []
-        v = m.parent.version if m.parent is not None else None
-        while v is not None:
-            parent = self.manifests.get(v)
-            if parent is None or v in failed or name not in parent.tensors:
-                return None
-            chain.append(parent)
-            v = None if parent.kind == "anchor" or parent.parent is None else parent.parent.version
-        if not chain or chain[-1].kind != "anchor":
-            return None
-        buf = np.zeros(entry.numel, dtype=words)
-        for step in reversed(chain):  # already checked (and reported) on their own turn
-            if not self._apply(name, step, step.tensors[name], buf, report=False):
-                return None
-        return buf
-
-    def _problem(self, report: bool, kind: str, m: Manifest, key: str, msg: str, name: str) -> bool:
-        if report:
-            self.problems.append(Problem(kind, m.version, key, msg, name))
-        return False
-
-    def _apply(
-        self, name: str, m: Manifest, entry: TensorEntry, buf: np.ndarray, *, report: bool
-    ) -> bool:
-        """Apply one version of one tensor to ``buf``, checking its frames' and the tensor's
-        Adler-32; False (and a problem when ``report``) if anything does not match."""
-        size = itemsize(entry.dtype)
-        delta = m.kind == "delta"
-        for f in entry.frames:
-            where = f"frame {name}[{f.start}:{f.stop}]"
-            if (f.object, f.offset) in self.bad:
-                return False  # missing or damaged: listed by the fast pass
-            try:
-                data = self.store.get_range(f.object, f.offset, f.length)
-            except ObjectNotFoundError:
-                return False
-            self.nbytes += len(data)
-            if report:
-                self.ticker.tick(f.length)
-            if len(data) != f.length or xxhash.xxh3_64_hexdigest(data) != f.xxh3:
-                return False  # changed since the fast pass read it
-            seg = buf[f.start : f.stop]
-            if delta and f.parent_adler32 is not None and adler32(seg) != f.parent_adler32:
-                msg = f"{where}: the parent's bytes there do not have its parent_adler32"
-                return self._problem(report, ADLER32, m, f.object, msg, name)
-            try:
-                changed = self._decode(f, data, seg, size)
-            except FrameError as exc:
-                return self._problem(report, FRAME, m, f.object, f"{where}: {exc}", name)
-            if delta and changed != f.changed:
-                msg = f"{where} changes {changed} elements, the manifest says {f.changed}"
-                return self._problem(report, FRAME, m, f.object, msg, name)
-            got = adler32(seg)
-            if got != f.adler32:
-                msg = (
-                    f"{where} decodes to Adler-32 {got:08x}, the manifest says "
-                    f"{f.adler32:08x}: the frame holds other values than it should"
-                )
-                return self._problem(report, ADLER32, m, f.object, msg, name)
-        if delta and not entry.frames:  # unchanged: the parent's checksum, checked already
-            got = entry.parent_adler32 if entry.parent_adler32 is not None else adler32(buf)
-        else:
-            got = adler32(buf)
-        if got != entry.adler32:
-            msg = (
-                f"tensor {name} replays to Adler-32 {got:08x}, the manifest says "
-                f"{entry.adler32:08x}"
-            )
-            return self._problem(report, ADLER32, m, manifest_key(m.version), msg, name)
-        return True
-
-    def _decode(self, f: Frame, data: bytes, seg: np.ndarray, size: int) -> int:
-        """Apply one stored frame to ``seg`` (the frame's elements); return how many changed."""
-        n = f.stop - f.start
-        if f.codec == XOR_SPARSE:
-            pos, masks = self.dec.sparse(data, n, size, f.changed)
-            seg[pos] ^= masks
-            return int(pos.size)
-        changed = 0
-        for first, words in self.dec.chunks(data, n, size):
-            part = seg[first : first + words.size]
-            if f.codec == RAW:
-                changed += int(np.count_nonzero(part != words))
-                part[:] = words
-            else:
-                changed += int(np.count_nonzero(words))
-                part ^= words
-        return changed
 
 
 # --- checkout ------------------------------------------------------------------------------
@@ -639,7 +475,7 @@ def verify_checkout(
         raise CheckpointError(f"{folder} holds no {SIDECAR}: it is not a folder deltastore pulled")
     files = locate(folder)
     tensors = MappedCheckpoint(files).tensors
-    problems: list[Problem] = []
+    problems = _Found()
     expected = dict(state.adler32)
     if url is not None:
         store = open_store(url, storage_options)
@@ -647,44 +483,38 @@ def verify_checkout(
         m = parse_manifest(store.get(key), key=key)
         expected = {n: e.adler32 for n, e in m.tensors.items()}
         if state.state_digest != m.state_digest or state.adler32 != expected:
-            problems.append(
-                Problem(
-                    SIDECAR_MISMATCH,
-                    state.version,
-                    SIDECAR,
-                    f"the sidecar's state digest or checksums are not those of {key}",
-                )
+            problems.add(
+                SIDECAR_MISMATCH,
+                state.version,
+                SIDECAR,
+                f"the sidecar's state digest or checksums are not those of {key}",
             )
         have = table_of(tensors)
         for name, e in m.tensors.items():
             if name in have and have[name] != (e.dtype, tuple(e.shape)):
-                problems.append(
-                    Problem(
-                        TABLE,
-                        state.version,
-                        None,
-                        f"is {have[name][0]}{list(have[name][1])} in the folder, "
-                        f"{e.dtype}{e.shape} in the manifest",
-                        name,
-                    )
+                problems.add(
+                    TABLE,
+                    state.version,
+                    None,
+                    f"is {have[name][0]}{list(have[name][1])} in the folder, "
+                    f"{e.dtype}{e.shape} in the manifest",
+                    name,
                 )
     interrupted = (folder / PENDING).exists()
     hint = "; a pull was interrupted here: `deltastore pull` repairs it" if interrupted else ""
     for name in sorted(set(expected) ^ set(tensors)):
         where = "missing from the folder" if name in expected else "not in that version"
-        problems.append(Problem(TABLE, state.version, None, f"tensor {name} is {where}", name))
+        problems.add(TABLE, state.version, None, f"tensor {name} is {where}", name)
     found = checksums({n: t for n, t in tensors.items() if n in expected})
     for name, value in sorted(found.items()):
         if value != expected[name]:
-            problems.append(
-                Problem(
-                    ADLER32,
-                    state.version,
-                    files[name].path.name,
-                    f"tensor {name} has Adler-32 {value:08x}, version {state.version} has "
-                    f"{expected[name]:08x}{hint}",
-                    name,
-                )
+            problems.add(
+                ADLER32,
+                state.version,
+                files[name].path.name,
+                f"tensor {name} has Adler-32 {value:08x}, version {state.version} has "
+                f"{expected[name]:08x}{hint}",
+                name,
             )
     return _report(
         str(folder),
