@@ -23,3 +23,10 @@ def s3_endpoint() -> Iterator[str]:
             region_name="us-east-1",
         ).create_bucket(Bucket="e2e")
         yield url
+
+
+@pytest.fixture(autouse=True)
+def _no_signing_key_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests set keys explicitly; a DELTASTORE_SIGNING_KEY exported in the developer's shell
+    would otherwise make every unsigned store unreadable."""
+    monkeypatch.delenv("DELTASTORE_SIGNING_KEY", raising=False)
