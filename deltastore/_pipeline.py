@@ -26,18 +26,24 @@ R = TypeVar("R")
 
 class Timer(Ticker):
     """Seconds summed over worker threads: fetching, and all per-frame work (fetch included);
-    also counts finished frames for the progress callback."""
+    the stored frames and bytes fetched; finished frames for the progress callback."""
 
     def __init__(self, fn: ProgressFn | None = None, frames: int = 0, nbytes: int = 0) -> None:
         super().__init__(fn, frames, nbytes)
         self.lock = threading.Lock()
         self.fetch = 0.0
         self.work = 0.0
+        self.fetched_bytes = 0
+        self.fetched_frames = 0
 
-    def add(self, *, fetch: float = 0.0, work: float = 0.0) -> None:
+    def add(self, *, fetch: float = 0.0, work: float = 0.0, nbytes: int = 0) -> None:
+        """Add seconds of fetching / per-frame work; ``nbytes``: one more frame fetched."""
         with self.lock:
             self.fetch += fetch
             self.work += work
+            if nbytes:
+                self.fetched_bytes += nbytes
+                self.fetched_frames += 1
 
     @property
     def decode(self) -> float:
@@ -107,7 +113,7 @@ class Fetcher:
                 f"{f.object}: frame at offset {f.offset} is corrupted (xxh3 mismatch): the "
                 "stored object is damaged; wait for a newer anchor, or restore the object"
             )
-        timer.add(fetch=t1 - t0)
+        timer.add(fetch=t1 - t0, nbytes=len(data))
         return data
 
     def run(

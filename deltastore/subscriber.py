@@ -326,9 +326,9 @@ class Subscriber:
             kind=kind,
             changed_elements=sum(m.changed_elements for m in steps),
             total_elements=last.total_elements,
-            payload_bytes=sum(m.payload_bytes for m in steps),
+            payload_bytes=timer.fetched_bytes,  # with a layout: only the frames it touches
             dense_bytes=last.dense_bytes,
-            frames=sum(len(t.frames) for m in steps for t in m.tensors.values()),
+            frames=timer.fetched_frames,
             fetch_s=timer.fetch,
             decode_s=timer.decode,
             verify_s=verify_s,
