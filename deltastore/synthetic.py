@@ -60,6 +60,18 @@ SMALL = ModelConfig(
 MEDIUM = ModelConfig(
     vocab=32000, hidden=1024, layers=16, intermediate=2816, heads=16, kv_heads=4, head_dim=64
 )
+#: ~1.02e9 elements (~2 GB bf16; tied embeddings): the benchmark's default size
+#: (``deltastore bench --size large``).
+LARGE = ModelConfig(
+    vocab=151936,
+    hidden=2048,
+    layers=14,
+    intermediate=6144,
+    heads=16,
+    kv_heads=8,
+    head_dim=128,
+    tie_word_embeddings=True,
+)
 #: Demo and benchmark sizes by name.
 SIZES = {"tiny": TINY, "small": SMALL, "medium": MEDIUM}
 
