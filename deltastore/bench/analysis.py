@@ -81,18 +81,20 @@ def is_local(store: str) -> bool:
     return "://" not in store or store.startswith("file://")
 
 
+def holds(value: float, op: str, threshold: float) -> bool:
+    """Whether ``value op threshold`` (op one of ``<=``, ``>=``, ``<``, ``>``)."""
+    return {
+        "<=": value <= threshold,
+        ">=": value >= threshold,
+        "<": value < threshold,
+        ">": value > threshold,
+    }[op]
+
+
 def _check(
     name: str, store: str | None, measured: float | None, op: str, threshold: float, what: str
 ) -> BarCheck:
-    passed = (
-        measured is not None
-        and {
-            "<=": measured <= threshold,
-            ">=": measured >= threshold,
-            "<": measured < threshold,
-            ">": measured > threshold,
-        }[op]
-    )
+    passed = measured is not None and holds(measured, op, threshold)
     return BarCheck(
         name=name,
         store=store,

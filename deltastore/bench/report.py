@@ -7,6 +7,7 @@ import importlib
 import os
 from typing import Any
 
+from deltastore.bench.analysis import holds
 from deltastore.bench.schema import BenchResult, StoreResult
 
 
@@ -24,6 +25,17 @@ def _x(v: float | None) -> str:
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.2f}%"
+
+
+def _measured(value: float | None, op: str, threshold: float) -> str:
+    """The measured value with enough decimals that its rounding does not flip the check."""
+    if value is None:
+        return "-"
+    for digits in range(3, 8):
+        text = f"{value:.{digits}f}"
+        if holds(float(text), op, threshold) == holds(value, op, threshold):
+            return text
+    return repr(value)
 
 
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:
@@ -130,7 +142,7 @@ def markdown(result: BenchResult) -> str:
         [
             b.name,
             b.store or "-",
-            "-" if b.measured is None else f"{b.measured:.3f}",
+            _measured(b.measured, b.op, b.threshold),
             f"{b.op} {b.threshold:g}",
             "pass" if b.passed else "FAIL",
         ]
