@@ -181,7 +181,7 @@ class LayoutSync:
                 out: list[list[Segment]] = [[] for _ in range(self.group.world)]
                 if error is None:
                     try:
-                        for routed in frames.run(mine, self._decoder(frames, timer), timer):
+                        for routed in frames.run(mine, self._decoder(), timer):
                             for r, segs in enumerate(routed):
                                 out[r] += segs
                     except Exception as exc:
@@ -274,13 +274,10 @@ class LayoutSync:
             mine.append([t for i, t in enumerate(batch) if owner[i] == self.group.rank])
         return mine
 
-    def _decoder(
-        self, frames: Fetcher, timer: Timer
-    ) -> Callable[[Task, FrameDecoder], list[list[Segment]]]:
-        def decode(task: Task, dec: FrameDecoder) -> list[list[Segment]]:
+    def _decoder(self) -> Callable[[Task, bytes, FrameDecoder], list[list[Segment]]]:
+        def decode(task: Task, data: bytes, dec: FrameDecoder) -> list[list[Segment]]:
             name, entry, f = task
             ti, holders = self._index[name], self._holders[name]
-            data = frames.fetch(f, timer)
             size, n = itemsize(entry.dtype), f.stop - f.start
             routed: list[list[Segment]] = [[] for _ in range(self.group.world)]
             if f.codec == XOR_SPARSE:

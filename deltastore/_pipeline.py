@@ -21,6 +21,8 @@ from deltastore.progress import ProgressFn, Ticker
 from deltastore.store import Store
 
 T = TypeVar("T", bound=tuple[Any, ...])
+#: Most stored bytes fetched by one ranged read of adjacent frames.
+MAX_SPAN = 32 << 20
 R = TypeVar("R")
 
 
@@ -97,12 +99,16 @@ class Fetcher:
             dec = self._local.decoder = FrameDecoder()
         return dec
 
-    def fetch(self, f: Frame, timer: Timer) -> bytes:
-        """The stored bytes of ``f``; :class:`FrameError` if truncated, :class:`IntegrityError`
-        if the xxh3 does not match."""
-        t0 = time.perf_counter()
-        data = self.store.get_range(f.object, f.offset, f.length)
-        t1 = time.perf_counter()
+    def fetch(self, f: Frame, timer: Timer, *, span: tuple[int, bytes] | None = None) -> bytes:
+        """The stored bytes of ``f`` (from ``span``: bytes of its object read from offset
+        ``span[0]``, when given); :class:`FrameError` if truncated, :class:`IntegrityError` if
+        the xxh3 does not match."""
+        if span is None:
+            t0 = time.perf_counter()
+            data = self.store.get_range(f.object, f.offset, f.length)
+            timer.add(fetch=time.perf_counter() - t0)
+        else:
+            data = span[1][f.offset - span[0] : f.offset - span[0] + f.length]
         if len(data) != f.length:
             raise FrameError(
                 f"{f.object}: frame at offset {f.offset} is truncated "
@@ -113,40 +119,71 @@ class Fetcher:
                 f"{f.object}: frame at offset {f.offset} is corrupted (xxh3 mismatch): the "
                 "stored object is damaged; wait for a newer anchor, or restore the object"
             )
-        timer.add(fetch=t1 - t0, nbytes=len(data))
+        timer.add(nbytes=len(data))
         return data
 
+    def _groups(self, tasks: Sequence[T]) -> list[list[T]]:
+        """Consecutive tasks whose frames sit back to back in one object, fetched as one range
+        of at most :data:`MAX_SPAN` bytes (a version's frames are packed in order, so a delta
+        usually costs one request per data object instead of one per frame)."""
+        groups: list[list[T]] = []
+        limit = min(MAX_SPAN, self._max_inflight)
+        for task in tasks:
+            f: Frame = task[-1]
+            if groups:
+                last: Frame = groups[-1][-1][-1]
+                first: Frame = groups[-1][0][-1]
+                if (
+                    f.object == last.object
+                    and f.offset == last.offset + last.length
+                    and f.offset + f.length - first.offset <= limit
+                ):
+                    groups[-1].append(task)
+                    continue
+            groups.append([task])
+        return groups
+
     def run(
-        self, tasks: Sequence[T], work: Callable[[T, FrameDecoder], R], timer: Timer
+        self, tasks: Sequence[T], work: Callable[[T, bytes, FrameDecoder], R], timer: Timer
     ) -> list[R]:
-        """``work(task, decoder)`` for every task (its last item is its :class:`Frame`), in
-        task order; the first real error is raised after the pool stopped."""
+        """``work(task, stored_bytes, decoder)`` for every task (its last item is its
+        :class:`Frame`), in task order; the first real error is raised after the pool stopped.
+        Adjacent frames are fetched with one ranged read (:meth:`_groups`)."""
         budget = ByteBudget(self._max_inflight)
         failed = threading.Event()
 
-        def run(task: T) -> R:
-            frame: Frame = task[-1]
+        def run(group: list[T]) -> list[R]:
+            first: Frame = group[0][-1]
+            size = sum(t[-1].length for t in group)
             try:
                 if failed.is_set():
                     raise Cancelled("skipped after an earlier frame failed")
-                t0 = time.perf_counter()
-                out = work(task, self._decoder())
-                timer.add(work=time.perf_counter() - t0)
-                timer.tick(frame.length)
-                return out
+                span = None
+                if len(group) > 1:
+                    t0 = time.perf_counter()
+                    span = (first.offset, self.store.get_range(first.object, first.offset, size))
+                    timer.add(fetch=time.perf_counter() - t0)
+                outs = []
+                for task in group:
+                    t0 = time.perf_counter()
+                    frame: Frame = task[-1]
+                    outs.append(work(task, self.fetch(frame, timer, span=span), self._decoder()))
+                    timer.add(work=time.perf_counter() - t0)
+                    timer.tick(frame.length)
+                return outs
             except BaseException:
                 failed.set()
                 raise
             finally:
-                budget.release(frame.length)
+                budget.release(size)
 
-        futures: list[Future[R]] = []
+        futures: list[Future[list[R]]] = []
         with ThreadPoolExecutor(self._workers, thread_name_prefix="deltastore-sync") as pool:
-            for task in tasks:
+            for group in self._groups(tasks):
                 if failed.is_set():
                     break
-                budget.acquire(task[-1].length)
-                futures.append(pool.submit(run, task))
+                budget.acquire(sum(t[-1].length for t in group))
+                futures.append(pool.submit(run, group))
             wait(futures, return_when=FIRST_EXCEPTION)
         raise_first(futures)
-        return [f.result() for f in futures]
+        return [out for f in futures for out in f.result()]

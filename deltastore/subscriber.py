@@ -380,7 +380,9 @@ class Subscriber:
         self._check_parent(m)
         tasks = [(name, entry, f) for name, entry in m.tensors.items() for f in entry.frames]
         delta = m.kind == "delta"
-        staged = self._frames.run(tasks, lambda t, dec: self._stage(*t, dec, timer, delta), timer)
+        staged = self._frames.run(
+            tasks, lambda t, data, dec: self._stage(*t, data, dec, delta), timer
+        )
         t0 = time.perf_counter()
         got: dict[str, int] = {}
         for st, (_, entry, f) in zip(staged, tasks, strict=True):
@@ -469,17 +471,16 @@ class Subscriber:
         name: str,
         entry: TensorEntry,
         f: Frame,
+        data: bytes,
         dec: FrameDecoder,
-        timer: Timer,
         delta: bool,
     ) -> _Staged:
-        """Fetch one frame and turn it into changes against the local tensor (reads only)."""
+        """Turn one fetched frame into changes against the local tensor (reads only)."""
         if self._tensors is None:  # pragma: no cover - guarded by _apply
             raise ChainError("no tensors")
         local = flat_words(self._tensors[name])
         size = itemsize(entry.dtype)
         n = f.stop - f.start
-        data = self._frames.fetch(f, timer)
         wdt = word_dtype(size)
         if f.codec == XOR_SPARSE:
             pos, masks = dec.sparse(data, n, size, f.changed)
@@ -553,9 +554,8 @@ class Subscriber:
                     ) from None
         tasks = [(name, entry, f) for name, entry in m.tensors.items() for f in entry.frames]
 
-        def fill(task: tuple[str, TensorEntry, Frame], dec: FrameDecoder) -> int:
+        def fill(task: tuple[str, TensorEntry, Frame], data: bytes, dec: FrameDecoder) -> int:
             name, entry, f = task
-            data = self._frames.fetch(f, timer)
             dest = flat_words(target[name])
             size = itemsize(entry.dtype)
             if dest.device.type == "cpu":

@@ -186,11 +186,11 @@ def install(point: str, n: int) -> None:
     if point == "fetch":  # the n-th frame's bytes arrived, before they are checked
         get_range = pipeline.Fetcher.fetch
 
-        def fetch(self: Any, f: Any, timer: Any) -> bytes:
+        def fetch(self: Any, f: Any, timer: Any, **kw: Any) -> bytes:
             if hit():
                 self.store.get_range(f.object, f.offset, f.length)
                 die()
-            return get_range(self, f, timer)
+            return get_range(self, f, timer, **kw)
 
         pipeline.Fetcher.fetch = fetch  # type: ignore[method-assign]
     elif point == "decode":  # after the n-th frame was decoded (anchors: into the files)
