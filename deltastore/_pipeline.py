@@ -122,25 +122,25 @@ class Fetcher:
         timer.add(nbytes=len(data))
         return data
 
-    def _groups(self, tasks: Sequence[T]) -> list[list[T]]:
-        """Consecutive tasks whose frames sit back to back in one object, fetched as one range
-        of at most :data:`MAX_SPAN` bytes (a version's frames are packed in order, so a delta
-        usually costs one request per data object instead of one per frame)."""
-        groups: list[list[T]] = []
+    def _groups(self, tasks: Sequence[T]) -> list[list[int]]:
+        """Indices of consecutive tasks whose frames sit back to back in one object, fetched as
+        one range of at most :data:`MAX_SPAN` bytes (a version's frames are packed in order, so
+        a delta costs about one request per data object instead of one per frame)."""
+        groups: list[list[int]] = []
         limit = min(MAX_SPAN, self._max_inflight)
-        for task in tasks:
+        for i, task in enumerate(tasks):
             f: Frame = task[-1]
             if groups:
-                last: Frame = groups[-1][-1][-1]
-                first: Frame = groups[-1][0][-1]
+                last: Frame = tasks[groups[-1][-1]][-1]
+                first: Frame = tasks[groups[-1][0]][-1]
                 if (
                     f.object == last.object
                     and f.offset == last.offset + last.length
                     and f.offset + f.length - first.offset <= limit
                 ):
-                    groups[-1].append(task)
+                    groups[-1].append(i)
                     continue
-            groups.append([task])
+            groups.append([i])
         return groups
 
     def run(
@@ -148,42 +148,65 @@ class Fetcher:
     ) -> list[R]:
         """``work(task, stored_bytes, decoder)`` for every task (its last item is its
         :class:`Frame`), in task order; the first real error is raised after the pool stopped.
-        Adjacent frames are fetched with one ranged read (:meth:`_groups`)."""
+
+        Adjacent frames are fetched with one ranged read (:meth:`_groups`); the frames of a
+        read are then worked on in parallel. The in-flight budget counts a read's bytes until
+        its last frame is done."""
         budget = ByteBudget(self._max_inflight)
         failed = threading.Event()
+        lock = threading.Lock()
+        frames: list[Future[R] | None] = [None] * len(tasks)
 
-        def run(group: list[T]) -> list[R]:
-            first: Frame = group[0][-1]
-            size = sum(t[-1].length for t in group)
+        def frame_job(i: int, span: tuple[int, bytes] | None, left: list[int]) -> R:
+            frame: Frame = tasks[i][-1]
+            try:
+                if failed.is_set():
+                    raise Cancelled("skipped after an earlier frame failed")
+                t0 = time.perf_counter()
+                out = work(tasks[i], self.fetch(frame, timer, span=span), self._decoder())
+                timer.add(work=time.perf_counter() - t0)
+                timer.tick(frame.length)
+                return out
+            except BaseException:
+                failed.set()
+                raise
+            finally:
+                with lock:
+                    left[0] -= 1
+                    done = left[0] == 0
+                if done:
+                    budget.release(left[1])
+
+        def read_job(pool: ThreadPoolExecutor, group: list[int], size: int) -> None:
             try:
                 if failed.is_set():
                     raise Cancelled("skipped after an earlier frame failed")
                 span = None
                 if len(group) > 1:
+                    first: Frame = tasks[group[0]][-1]
                     t0 = time.perf_counter()
                     span = (first.offset, self.store.get_range(first.object, first.offset, size))
                     timer.add(fetch=time.perf_counter() - t0)
-                outs = []
-                for task in group:
-                    t0 = time.perf_counter()
-                    frame: Frame = task[-1]
-                    outs.append(work(task, self.fetch(frame, timer, span=span), self._decoder()))
-                    timer.add(work=time.perf_counter() - t0)
-                    timer.tick(frame.length)
-                return outs
             except BaseException:
                 failed.set()
-                raise
-            finally:
                 budget.release(size)
+                raise
+            left = [len(group), size]
+            for i in group:
+                frames[i] = pool.submit(frame_job, i, span, left)
 
-        futures: list[Future[list[R]]] = []
+        reads: list[Future[None]] = []
         with ThreadPoolExecutor(self._workers, thread_name_prefix="deltastore-sync") as pool:
             for group in self._groups(tasks):
                 if failed.is_set():
                     break
-                budget.acquire(sum(t[-1].length for t in group))
-                futures.append(pool.submit(run, group))
-            wait(futures, return_when=FIRST_EXCEPTION)
-        raise_first(futures)
-        return [out for f in futures for out in f.result()]
+                size = sum(tasks[i][-1].length for i in group)
+                budget.acquire(size)
+                reads.append(pool.submit(read_job, pool, group, size))
+            wait(reads)  # every frame job is submitted once its read is done
+            submitted = [f for f in frames if f is not None]
+            wait(submitted, return_when=FIRST_EXCEPTION)
+        raise_first([*reads, *submitted])
+        if len(submitted) != len(tasks):  # pragma: no cover - a read failed: raised above
+            raise Cancelled("not every frame was worked on")
+        return [f.result() for f in submitted]
