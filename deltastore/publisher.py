@@ -17,13 +17,12 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import torch
-import xxhash
 
 from deltastore._commit import (
     advance_latest,
@@ -32,11 +31,11 @@ from deltastore._commit import (
     commit_manifest,
     head_version,
 )
+from deltastore._encode import FrameEncoders, FrameJob
 from deltastore._ratios import SizeRatios
 from deltastore._snapshot import DiskSnapshot, MemorySnapshot, TensorState, WriterState, row_range
 from deltastore._tables import check_table, raise_if_mismatched
-from deltastore.checksum import adler32, apply_delta, combine, delta_sums
-from deltastore.codecs import RAW, FrameEncoder
+from deltastore.checksum import adler32, combine
 from deltastore.dtypes import dtype_name, np_words
 from deltastore.errors import (
     ChainError,
@@ -173,10 +172,13 @@ class _ChainWriter:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
         zstd_level: int = 1,
+        max_workers: int = 2,
         signing_key: KeyOption = FROM_ENV,
     ) -> None:
         if snapshot not in ("memory", "disk") or (snapshot == "disk") != (state_dir is not None):
             raise ValueError("snapshot must be 'memory', or 'disk' together with state_dir")
+        if max_workers < 1:
+            raise ValueError("max_workers must be positive")
         if not 8 <= max_frame_bytes <= MAX_FRAME_BYTES or max_object_bytes < 1:
             raise ValueError(
                 f"max_frame_bytes must be in [8, {MAX_FRAME_BYTES}] and max_object_bytes >= 1"
@@ -186,8 +188,7 @@ class _ChainWriter:
         self._signing = resolve_keys(signing_key)  # signs with the first; attach checks any
         self._max_frame_bytes = max_frame_bytes
         self._max_object_bytes = max_object_bytes
-        self._encoder = FrameEncoder(zstd_level)
-        self._ne = np.empty(0, dtype=np.bool_)
+        self._encoders = FrameEncoders(zstd_level, max_workers)
         snapshots = DiskSnapshot(state_dir) if state_dir is not None else MemorySnapshot()
         self._held = WriterState(self.store, snapshots, max_frame_bytes, self._shard)
         self._held.resume()
@@ -278,115 +279,77 @@ class _ChainWriter:
     ) -> _Pending:
         """Detect and encode the changes of every tensor, upload the data objects.
 
-        ``rows`` places words at dim-0 rows of a larger global tensor (``specs`` holds its
-        shape); frames are then cut from the start of the words, at global positions.
+        Frames are detected and encoded on ``max_workers`` threads and packed in order here
+        (uploads overlap the encoding of later frames). ``rows`` places words at dim-0 rows of
+        a larger global tensor (``specs`` holds its shape); frames are then cut from the start
+        of the words, at global positions.
         """
         pending = _Pending(rows=dict(rows or {}))
         packs = _PackWriter(
             self.store, f"{data_prefix(version)}{self.token[:12]}-", self._max_object_bytes, pending
         )
+        grids = {n: self._frames_of(w.size, w.dtype.itemsize) for n, w in host.items()}
         ticker = Ticker(
-            progress,
-            sum(len(self._frames_of(w.size, w.dtype.itemsize)) for w in host.values()),
-            sum(w.nbytes for w in host.values()),
+            progress, sum(len(g) for g in grids.values()), sum(w.nbytes for w in host.values())
         )
+
+        def jobs() -> Iterator[FrameJob]:
+            for name, words in host.items():
+                prev = parent_state[name] if parent_state is not None else None
+                for i, (a, b) in enumerate(grids[name]):
+                    yield FrameJob(
+                        words[a:b],
+                        None if prev is None else prev.words[a:b],
+                        None if prev is None else prev.frame_adler[i],
+                        kind == "delta" and prev is not None,
+                    )
+
+        results = self._encoders.map(jobs())
         for name, words in host.items():
             prev = parent_state[name] if parent_state is not None else None
             start = row_range(specs[name][1], rows[name])[0] if rows else 0
-            self._encode_tensor(name, words, specs[name], prev, kind, packs, pending, ticker, start)
+            frames: list[Frame] = []
+            frame_adler: list[int] = []
+            total_adler, changed_total = 1, 0
+            for i, (a, b) in enumerate(grids[name]):
+                out = next(results)
+                pending.detect_s += out.detect_s
+                pending.encode_s += out.encode_s
+                if out.data is not None:
+                    obj, offset = packs.add(out.data)  # may upload a full object
+                    frames.append(
+                        Frame(
+                            start=start + a,
+                            stop=start + b,
+                            codec=out.codec,
+                            object=obj,
+                            offset=offset,
+                            length=len(out.data),
+                            xxh3=out.xxh3,
+                            changed=out.changed,
+                            adler32=out.adler,
+                            parent_adler32=None if prev is None else prev.frame_adler[i],
+                        )
+                    )
+                    pending.codecs[out.codec] = pending.codecs.get(out.codec, 0) + 1
+                if prev is not None and out.pos is not None and out.pos.size:
+                    new_at = words[a:b][out.pos] if out.new_at is None else out.new_at
+                    pending.updates.append((prev.words, out.pos + a, new_at))
+                frame_adler.append(out.adler)
+                ticker.tick((b - a) * words.dtype.itemsize)
+                total_adler = combine(total_adler, out.adler, (b - a) * words.dtype.itemsize)
+                changed_total += out.changed
+            pending.frame_adler[name] = frame_adler
+            pending.entries[name] = TensorEntry(
+                dtype=specs[name][0],
+                shape=specs[name][1],
+                adler32=total_adler,
+                parent_adler32=prev.adler if prev is not None else None,
+                changed=changed_total,
+                frames=frames,
+            )
         packs.flush()
         return pending
-
-    def _encode_tensor(
-        self,
-        name: str,
-        words: np.ndarray,
-        spec: tuple[str, list[int]],
-        prev: TensorState | None,
-        kind: str,
-        packs: _PackWriter,
-        pending: _Pending,
-        ticker: Ticker,
-        start: int,
-    ) -> None:
-        size = words.dtype.itemsize
-        frames: list[Frame] = []
-        frame_adler: list[int] = []
-        total_adler, changed_total = 1, 0
-        for i, (a, b) in enumerate(self._frames_of(words.size, size)):
-            new = words[a:b]
-            t0 = time.perf_counter()
-            pos = self._diff(prev.words[a:b], new) if prev is not None else None
-            t1 = time.perf_counter()
-            pending.detect_s += t1 - t0
-            changed = b - a if pos is None else int(pos.size)
-            parent_adler = prev.frame_adler[i] if prev is not None else None
-            new_at = None  # the new words at pos, gathered once
-            if kind == "delta" and changed == 0 and prev is not None:
-                fa = prev.frame_adler[i]
-            else:
-                if kind == "delta" and prev is not None and pos is not None:
-                    old = prev.words[a:b]
-                    old_at, new_at = old[pos], new[pos]
-                    fa = self._frame_adler(prev.frame_adler[i], new, pos, old_at, new_at)
-                    codec, data = self._encoder.encode_delta(old, new, pos, masks=old_at ^ new_at)
-                else:
-                    fa = adler32(new)
-                    codec, data = RAW, self._encoder.raw(new)
-                pending.encode_s += time.perf_counter() - t1
-                obj, offset = packs.add(data)  # may upload a full object (timed as upload)
-                t1 = time.perf_counter()
-                frames.append(
-                    Frame(
-                        start=start + a,
-                        stop=start + b,
-                        codec=codec,
-                        object=obj,
-                        offset=offset,
-                        length=len(data),
-                        xxh3=xxhash.xxh3_64_hexdigest(data),
-                        changed=changed,
-                        adler32=fa,
-                        parent_adler32=parent_adler,
-                    )
-                )
-                pending.codecs[codec] = pending.codecs.get(codec, 0) + 1
-            if prev is not None and pos is not None and pos.size:
-                pending.updates.append(
-                    (prev.words, pos + a, new[pos] if new_at is None else new_at)
-                )
-            pending.encode_s += time.perf_counter() - t1
-            frame_adler.append(fa)
-            ticker.tick(new.nbytes)
-            total_adler = combine(total_adler, fa, (b - a) * size)
-            changed_total += changed
-        pending.frame_adler[name] = frame_adler
-        pending.entries[name] = TensorEntry(
-            dtype=spec[0],
-            shape=spec[1],
-            adler32=total_adler,
-            parent_adler32=prev.adler if prev is not None else None,
-            changed=changed_total,
-            frames=frames,
-        )
-
-    @staticmethod
-    def _frame_adler(
-        parent: int, new: np.ndarray, pos: np.ndarray, old_at: np.ndarray, new_at: np.ndarray
-    ) -> int:
-        """Adler-32 of the frame's new words: O(changed) from the parent's (the snapshot was
-        checked against it), or a full pass where most words changed and that is cheaper."""
-        if pos.size * 8 > new.size:
-            return adler32(new)
-        return apply_delta(parent, *delta_sums(pos, old_at, new_at, new.nbytes))
-
-    def _diff(self, old: np.ndarray, new: np.ndarray) -> np.ndarray:
-        """Frame-local indices where the words differ (reused bool buffer)."""
-        if self._ne.size < new.size:
-            self._ne = np.empty(new.size, dtype=np.bool_)
-        ne = self._ne[: new.size]
-        np.not_equal(old, new, out=ne)
-        return np.flatnonzero(ne)
 
     def _report(
         self,
@@ -451,7 +414,8 @@ class Publisher(_ChainWriter):
     memory-mapped file under ``state_dir``, which also lets a restarted publisher continue
     without :meth:`attach`), ``max_frame_bytes``
     (dense bytes per frame, default 16 MiB), ``max_object_bytes`` (bytes per data object,
-    default 64 MiB), ``zstd_level`` (default 1), ``signing_key`` (a
+    default 64 MiB), ``zstd_level`` (default 1), ``max_workers`` (threads that detect and
+    encode frames, default 2), ``signing_key`` (a
     :class:`~deltastore.signing.SigningKey` that signs every manifest, and that :meth:`attach`
     requires on the head manifest; default: ``DELTASTORE_SIGNING_KEY`` if set; None: unsigned).
     """
