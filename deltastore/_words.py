@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-#: One write: words of a tensor (1-D), int32/int64 positions in it, old words, new words.
+#: One write: words of a tensor (1-D), positions in it (int32/int64, or gaps: see
+#: :func:`positions`), old words, new words.
 Write = tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]
 Scatter = Callable[[torch.Tensor, np.ndarray, np.ndarray], None]
 
@@ -56,17 +57,32 @@ def scatter_range(local: torch.Tensor, start: int, values: np.ndarray) -> None:
     local[start : start + values.size].copy_(vals)
 
 
+def compact(positions: np.ndarray) -> np.ndarray:
+    """Ascending positions stored as gaps (``gaps[0] = positions[0]``, then differences) in
+    uint16 when they fit, else uint32: 2 bytes per staged change instead of 4 or 8."""
+    gaps = np.diff(positions, prepend=0)
+    return gaps.astype(np.uint16 if gaps.max(initial=0) < 1 << 16 else np.uint32)
+
+
+def expand(stored: np.ndarray) -> np.ndarray:
+    """int64 positions from :func:`compact` gaps (unsigned), or signed positions as they are."""
+    if stored.dtype.kind == "u":
+        return np.cumsum(stored, dtype=np.int64)
+    return stored
+
+
 def write_all(writes: Sequence[Write], scatter_fn: Scatter = scatter) -> None:
     """Scatter each write's new words, all or nothing: if a write fails, every write started
     (the failing one included) gets its old words back before the error is re-raised.
 
-    Restoring writes the old words, so it is idempotent: a write that failed halfway is undone
-    like a complete one. The pause is pure scatters; staging keeps 4 + 2 * word bytes per change."""
+    Positions given as :func:`compact` gaps are expanded one write at a time. Restoring writes
+    the old words, so it is idempotent: a write that failed halfway is undone like a complete
+    one. The pause is pure scatters."""
     done = 0
     try:
         for local, pos, _, new in writes:
             done += 1  # before the write: one that fails halfway is undone too
-            scatter_fn(local, pos, new)
+            scatter_fn(local, expand(pos), new)
     except BaseException:
         restore_all(writes[:done], scatter_fn)
         raise
@@ -75,4 +91,4 @@ def write_all(writes: Sequence[Write], scatter_fn: Scatter = scatter) -> None:
 def restore_all(writes: Sequence[Write], scatter_fn: Scatter = scatter) -> None:
     """Put the old words of ``writes`` back, newest first."""
     for local, pos, old, _ in reversed(writes):
-        scatter_fn(local, pos, old)
+        scatter_fn(local, expand(pos), old)

@@ -31,7 +31,7 @@ from deltastore._layout_sync import LayoutSync
 from deltastore._pipeline import Fetcher, Timer
 from deltastore._ratios import SizeRatios
 from deltastore._tables import check_contents, check_table, raise_if_mismatched
-from deltastore._words import gather, gather_range, signed, write_all
+from deltastore._words import compact, gather, gather_range, signed, write_all
 from deltastore._words import scatter as _scatter  # a module global: tests patch it
 from deltastore.checksum import adler32, apply_delta, combine, delta_sums, shift_to_outer
 from deltastore.codecs import RAW, XOR_SPARSE, FrameDecoder, compress_bound, sparse_bound
@@ -94,7 +94,8 @@ class SyncReport(SizeRatios):
 
 @dataclass
 class _Staged:
-    """Changes of one frame: frame-relative int32 positions, old and new words, Adler-32 sums."""
+    """Changes of one frame: frame-relative positions (as compact gaps), old and new words,
+    Adler-32 sums."""
 
     name: str
     start: int
@@ -518,7 +519,7 @@ class Subscriber:
                 "or the frame is damaged"
             )
         da, db = shift_to_outer(*sums, n * size, f.start * size, entry.nbytes)
-        return _Staged(name, f.start, pos.astype(np.int32), old, new, da, db, frame_adler)
+        return _Staged(name, f.start, compact(pos), old, new, da, db, frame_adler)
 
     def _scatter(self, staged: list[_Staged]) -> None:
         """Write the staged changes; on any error restore the old words and re-raise."""
