@@ -63,7 +63,7 @@ class BenchOptions:
     versions: int = 3
     lr: float = 1e-6
     seed: int = 0
-    warmup: int = 4
+    warmup: int = 1
     workdir: str | os.PathLike[str] | None = None
     storage_options: dict[str, Any] | None = None
     systems: Sequence[str] = SYSTEMS

@@ -2,13 +2,17 @@
 steps, generated once and cached as flat files.
 
 DESIGN section 8. fp32 masters (normal(0, 0.02); norms at 1.0), ``torch.optim.AdamW``
-(weight decay 0.01) on seeded normal(0, 1) gradients, cast to bf16. ``warmup`` steps come
-before the base version so that the measured versions are past Adam's first-step transient
-(step 1 moves every weight by exactly ``lr``). Generation goes tensor by tensor (one tensor's
-master and optimizer state at a time: 16 bytes per element of the largest tensor, ~5 GB for
-the large model's embedding), writing each version's bf16 words into its own flat file.
+(weight decay 0.01) on seeded normal(0, 1) gradients, cast to bf16. The optimizer starts in
+its stationary state for such gradients, as after a long run (``exp_avg`` ~ normal(0,
+sqrt((1 - beta1) / (1 + beta1))), ``exp_avg_sq`` = E[g^2] = 1, step 1000 so the bias
+corrections are ~1): from zeros, Adam's first steps move every weight by ~``lr`` (4% of bf16
+elements change at lr 1e-6) and the change rate takes tens of steps to settle near the ~1% of
+a long training run. ``warmup`` real steps come before the base version.
+Generation goes tensor by tensor (one tensor's master and optimizer state at a time: 16
+bytes per element of the largest tensor, ~5 GB for the large model's embedding), writing
+each version's bf16 words into its own flat file.
 
-Cache folder ``<workdir>/<size>-lr<lr>-seed<seed>-w<warmup>-v<versions>/``: ``v000.bin`` (the
+Cache folder ``<workdir>/<size>-lr<lr>-seed<seed>-w<warmup>-v<versions>-ss/``: ``v000.bin`` (the
 base), ``v001.bin`` ... (the measured versions; words of every tensor, in table order, no
 padding), ``index.json`` (:class:`WorkloadIndex`: tensors, offsets, changed counts, digests)
 and ``COMPLETE`` (SHA-256 of ``index.json``), written last: a folder without a matching marker
@@ -60,7 +64,7 @@ class WorkloadSpec:
     size: str = "large"
     lr: float = 1e-6
     seed: int = 0
-    warmup: int = 4
+    warmup: int = 1
     versions: int = 3
 
     def __post_init__(self) -> None:
@@ -76,7 +80,7 @@ class WorkloadSpec:
     @property
     def key(self) -> str:
         """Cache folder name."""
-        return f"{self.size}-lr{self.lr:g}-seed{self.seed}-w{self.warmup}-v{self.versions}"
+        return f"{self.size}-lr{self.lr:g}-seed{self.seed}-w{self.warmup}-v{self.versions}-ss"
 
 
 class TensorInfo(BaseModel):
@@ -268,11 +272,15 @@ class _Arena:
         param = torch.nn.Parameter(torch.from_numpy(master))
         param.grad = torch.from_numpy(grad)
         opt = torch.optim.AdamW([param], lr=spec.lr, weight_decay=0.01, fused=True)
-        # The optimizer state AdamW would create with zeros_like, in the reused buffers.
-        exp_avg.fill(0.0)
-        exp_avg_sq.fill(0.0)
+        # The stationary state for i.i.d. normal(0, 1) gradients (module docstring), in the
+        # reused buffers: as if the trainer had run for a long time.
+        beta1 = 0.9
+        _fill_normal(
+            exp_avg, [spec.seed, index, 1 << 30], pool, scale=((1 - beta1) / (1 + beta1)) ** 0.5
+        )
+        exp_avg_sq.fill(1.0)
         opt.state[param] = {
-            "step": torch.zeros((), dtype=torch.float32),
+            "step": torch.tensor(1000.0, dtype=torch.float32),
             "exp_avg": torch.from_numpy(exp_avg),
             "exp_avg_sq": torch.from_numpy(exp_avg_sq),
         }

@@ -491,7 +491,7 @@ def bench(
     versions: Annotated[int, typer.Option(min=1, help="Measured versions (deltas).")] = 3,
     lr: Annotated[float, typer.Option(min=0.0, help="AdamW learning rate.")] = 1e-6,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
-    warmup: Annotated[int, typer.Option(min=0, help="AdamW steps before the base version.")] = 4,
+    warmup: Annotated[int, typer.Option(min=0, help="AdamW steps before the base version.")] = 1,
     workdir: Annotated[
         Path | None,
         typer.Option(
