@@ -479,6 +479,9 @@ class FolderSync:
         t_verify = time.perf_counter()
         sub.verify()  # every tensor at the target before anything is recorded
         verify_s = time.perf_counter() - t_verify
+        # what was fetched and changed: the frames of each group's tensors only (read before
+        # the state is recorded, so nothing can fail once the folder is repaired)
+        held = [probe.manifest(v).tensors[n] for names, r in runs for v in r.applied for n in names]
         _write_state(self.dest, goal)
         _end(self.dest)
         self._ckpt, self._sub, self._checked = ckpt, sub, True
@@ -490,8 +493,6 @@ class FolderSync:
             anchor,
         )
         log.warning("%s: %s", self.dest, self.last_repair.summary())
-        # what was fetched and changed: the frames of each group's tensors only
-        held = [probe.manifest(v).tensors[n] for names, r in runs for v in r.applied for n in names]
         reports = [r for _, r in runs]
         applied = tuple(sorted({v for r in reports for v in r.applied}))
         return SyncReport(

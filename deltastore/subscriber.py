@@ -319,7 +319,7 @@ class Subscriber:
         kind: Literal["anchor", "delta", "none"] = (
             "none" if not steps else "anchor" if any(m.kind == "anchor" for m in steps) else "delta"
         )
-        last = self.manifest(target)
+        last = steps[-1] if steps else self.manifest(target)  # no store read after applying
         return SyncReport(
             version=target,
             from_version=start,

@@ -475,9 +475,10 @@ class Soak:
         self.check_consistent(f, "after a sync")
         after = f.reports()
         if outcome != "ok" and after == target != before:
-            # the sync raised although the follower reached its target (consistent, as
-            # checked above): a re-read of a manifest after the last write failed
+            # a sync must not fail once its target is reached (nothing is read after the
+            # last write): the caller would believe the follower is still at the old version
             self.counts["syncs that raised after reaching their target"] += 1
+            self.unexpected.append(f"{f.name}: raised after reaching version {target}")
         if isinstance(f, Folder) and f.name in self.kill_pending and after is not None:
             self.kill_pending.discard(f.name)
             if f.folder.last_repair is None:
