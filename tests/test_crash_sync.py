@@ -20,6 +20,7 @@ The number of kill points covered is printed at the end of the module.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -290,9 +291,13 @@ def serve() -> None:
         print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
 
 
-@pytest.fixture(scope="module")
-def killer() -> Iterator[Callable[..., int]]:
+@contextlib.contextmanager
+def kill_server() -> Iterator[Callable[..., int]]:
+    """The helper process (:func:`serve`) that forks one child per killed pull; yields
+    ``run(store, dest, target, point, n=1)`` -> the child's exit status (-9: killed; 0: the
+    pull finished first). Also used by tests/test_soak.py."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("DELTASTORE_SIGNING_KEY", None)
     proc = subprocess.Popen(
         [sys.executable, "-c", "from tests.test_crash_sync import serve; serve()"],
         stdin=subprocess.PIPE,
@@ -312,9 +317,17 @@ def killer() -> Iterator[Callable[..., int]]:
         assert answer, "the helper process died"
         return int(json.loads(answer))
 
-    yield run
-    stdin.close()
-    proc.wait(timeout=30)
+    try:
+        yield run
+    finally:
+        stdin.close()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def killer() -> Iterator[Callable[..., int]]:
+    with kill_server() as run:
+        yield run
 
 
 @pytest.fixture(scope="module", autouse=True)

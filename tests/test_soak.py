@@ -47,13 +47,10 @@ there: a manifest re-read after the last write failed) is counted and printed, n
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -75,6 +72,7 @@ from deltastore.fsck import verify_store
 from deltastore.gc import find_orphans, gc
 from deltastore.manifest import DATA_PREFIX, Manifest, manifest_key
 from deltastore.synthetic import AdamWTrajectory, ModelConfig
+from tests.test_crash_sync import kill_server
 from tests.test_presets import engine_layout, engine_reference, tp_ranks
 
 ROOT = Path(__file__).parent.parent
@@ -317,33 +315,9 @@ class Folder(Follower):
 
 
 @pytest.fixture
-def killer() -> Iterator[Callable[[Path, Path, int, str, int], int]]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("DELTASTORE_SIGNING_KEY", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from tests.test_crash_sync import serve; serve()"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env=env,
-    )
-    assert proc.stdin is not None and proc.stdout is not None
-    stdin, stdout = proc.stdin, proc.stdout
-
-    def run(store: Path, dest: Path, target: int, point: str, n: int) -> int:
-        """Pull ``dest`` to ``target`` in a forked child killed at ``point`` (n-th time);
-        the child's exit status (``-9``: killed; 0: the pull finished first)."""
-        case = {"store": str(store), "dest": str(dest), "target": target, "point": point, "n": n}
-        stdin.write(json.dumps(case) + "\n")
-        stdin.flush()
-        answer = stdout.readline()
-        assert answer, "the helper process died"
-        return int(json.loads(answer))
-
-    yield run
-    stdin.close()
-    proc.wait(timeout=30)
+def killer() -> Iterator[Callable[..., int]]:
+    with kill_server() as run:
+        yield run
 
 
 # --- the soak -------------------------------------------------------------------------------
