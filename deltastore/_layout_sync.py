@@ -168,7 +168,7 @@ class LayoutSync:
     ) -> tuple[float, float]:
         """Apply ``m`` to ``tensors`` (at the state whose per-tensor Adler-32 is ``parent``;
         None: unknown state, written directly from an anchor). Returns (verify s, pause s)."""
-        rounds = self._rounds(m, fresh=parent is None)
+        rounds = self._rounds(m)
         writes: list[_Write] = []
         sums = np.zeros(2 * len(self._names), dtype=np.int64)
         error: BaseException | None = None
@@ -241,7 +241,7 @@ class LayoutSync:
 
     # --- steps --------------------------------------------------------------------------
 
-    def _rounds(self, m: Manifest, *, fresh: bool) -> list[list[Task]]:
+    def _rounds(self, m: Manifest) -> list[list[Task]]:
         """This rank's frames, per round (every rank computes every rank's share alike)."""
         tasks = [
             (name, entry, f)

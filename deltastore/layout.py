@@ -493,12 +493,6 @@ class BoundLayout:
             for name, ps in self.placements.items()
         }
 
-    def touches(self, name: str, start: int, stop: int) -> bool:
-        """Whether any box of ``name`` may hold an element of the flat range [start, stop)."""
-        return any(
-            a < stop and start < b for a, b in (p.span() for p in self.placements.get(name, ()))
-        )
-
 
 __all__ = [
     "BoundLayout",

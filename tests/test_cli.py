@@ -876,17 +876,22 @@ def test_show_of_a_damaged_manifest_is_exit_5(chain: tuple[Path, Any], tmp_path:
 # --- errors, options, exit codes ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", ["publish", "pull", "log", "show"])
-def test_storage_option_on_a_local_store_is_a_clear_error(
-    command: str, chain: tuple[Path, Any], sources: list[Path], tmp_path: Path
-) -> None:
-    store, _ = chain
-    args: dict[str, list[Any]] = {
+def store_command_args(store: Path, sources: list[Path], tmp_path: Path) -> dict[str, list[Any]]:
+    """Arguments that make each store-reading command run against ``store``."""
+    return {
         "publish": [store, sources[2], "--version", "9", "--state-dir", tmp_path / "s"],
         "pull": [store, tmp_path / "dest"],
         "log": [store],
         "show": [store, "1"],
     }
+
+
+@pytest.mark.parametrize("command", ["publish", "pull", "log", "show"])
+def test_storage_option_on_a_local_store_is_a_clear_error(
+    command: str, chain: tuple[Path, Any], sources: list[Path], tmp_path: Path
+) -> None:
+    store, _ = chain
+    args = store_command_args(store, sources, tmp_path)
     before = tree(store)
     result = cli(command, *args[command], "--storage-option", "key=sEcReT", "-o", "anon=true")
     line = assert_one_line_error(result, common.EXIT_STORE)
@@ -902,12 +907,7 @@ def test_storage_option_without_equals_is_a_usage_error(
     command: str, chain: tuple[Path, Any], sources: list[Path], tmp_path: Path
 ) -> None:
     store, _ = chain
-    args: dict[str, list[Any]] = {
-        "publish": [store, sources[2], "--version", "9", "--state-dir", tmp_path / "s"],
-        "pull": [store, tmp_path / "dest"],
-        "log": [store],
-        "show": [store, "1"],
-    }
+    args = store_command_args(store, sources, tmp_path)
     before = tree(store)
     result = cli(command, *args[command], "--storage-option", "novalue")
     assert result.exit_code == common.EXIT_USAGE, result.output
