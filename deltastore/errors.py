@@ -77,6 +77,26 @@ class LayoutError(TensorMismatchError):
     """A receiver layout does not fit the manifest's global tensors or the local tensors."""
 
 
+class TableChangedError(TensorMismatchError):
+    """A version changes the tensor table (names, dtypes or shapes) of tensors the caller owns
+    (an engine's, handed over with ``tensors=``): deltastore cannot reallocate them, so it
+    raised before writing anything. ``added``, ``removed``, ``reshaped`` and ``retyped`` name
+    the tensors that changed. Reallocate the tensors for the new table and construct a new
+    ``Subscriber``, or let one allocate its own tensors."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        added: tuple[str, ...] = (),
+        removed: tuple[str, ...] = (),
+        reshaped: tuple[str, ...] = (),
+        retyped: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.added, self.removed, self.reshaped, self.retyped = added, removed, reshaped, retyped
+
+
 class RankError(DeltastoreError):
     """Another rank of the process group failed this version; nothing was written here."""
 
@@ -103,6 +123,7 @@ __all__ = [
     "PreconditionFailedError",
     "RankError",
     "StoreError",
+    "TableChangedError",
     "TensorMismatchError",
     "UnsupportedFormatError",
     "VersionExistsError",
