@@ -35,6 +35,17 @@ class PreconditionFailedError(StoreError):
     """A compare-and-swap found a different object than expected."""
 
 
+class BucketNotFoundError(StoreError, FileNotFoundError):
+    """The store's bucket (Azure: container) does not exist: every key of the store is
+    missing because of it, not because the store is empty. Create it, or fix the URL."""
+
+
+class PreconditionsIgnoredError(StoreError):
+    """The service accepts create-if-absent (or compare-and-swap) requests but ignores their
+    precondition, so two publishers could both commit a version. Use a service that enforces
+    them, or accept the risk with ``unsafe_commits=True`` (one publisher only)."""
+
+
 class InvalidKeyError(DeltastoreError, ValueError):
     """A key is not a clean relative path inside the store root (``..``, ``/``, NUL, URL...)."""
 
@@ -67,6 +78,12 @@ class WrongParentError(DeltastoreError, ValueError):
 
 class ChainError(DeltastoreError, LookupError):
     """No chain of committed versions leads from the current state to the target version."""
+
+
+class ForkError(ChainError):
+    """On a store without enforced preconditions (``unsafe_commits``), the manifest read back
+    after a commit is not the one this publisher wrote: another publisher committed the same
+    version at the same time, and the chain has forked."""
 
 
 class TensorMismatchError(DeltastoreError, ValueError):
@@ -111,8 +128,10 @@ class VersionNotCommittedError(DeltastoreError, TimeoutError):
 
 
 __all__ = [
+    "BucketNotFoundError",
     "ChainError",
     "DeltastoreError",
+    "ForkError",
     "FrameError",
     "IntegrityError",
     "InvalidKeyError",
@@ -121,6 +140,7 @@ __all__ = [
     "ManifestNotFoundError",
     "ObjectNotFoundError",
     "PreconditionFailedError",
+    "PreconditionsIgnoredError",
     "RankError",
     "StoreError",
     "TableChangedError",
