@@ -5,6 +5,13 @@ A checkpoint is one ``.safetensors`` file or an HF-style folder (``model.safeten
 wrapped by torch without copying: nothing is read into RAM until touched, and writes to a
 writable view land in the file (the page cache) in place.
 
+Tensor data need not be aligned to its dtype (safetensors does not require it; other writers
+than deltastore may leave a header whose length is not a multiple of 8). A read-only map gives
+an unaligned tensor as an aligned in-memory copy of its bytes (the only tensors read into RAM
+up front); a writable map gives it as a view of the file's bytes at their unaligned address,
+so writes still land in the file in place (torch and numpy read and write unaligned CPU memory
+correctly). Files deltastore creates are always aligned.
+
 File layout (safetensors): ``<u64 LE header length N><N bytes JSON header><data>``; the header
 maps each name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` relative to the data.
 
@@ -21,12 +28,15 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from deltastore.dtypes import DTYPES, dtype_name
+from deltastore.dtypes import dtype_from_name, dtype_name, itemsize
 from deltastore.errors import TensorMismatchError
+
+if TYPE_CHECKING:
+    import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -122,7 +132,7 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has an unsupported entry {info!r}"
             ) from None
-        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        nbytes = math.prod(shape) * itemsize(dtype)
         if end - begin != nbytes or begin < 0 or base + end > size:
             raise CheckpointError(f"{path}: tensor {name!r} has inconsistent data_offsets")
         out[name] = TensorLocation(path, dtype, shape, base + begin, base + end)
@@ -145,16 +155,18 @@ class MappedCheckpoint:
 
     ``writable=True`` maps the files shared read-write: writes to :attr:`tensors` go to the
     files; call :meth:`flush` to push them to disk. Read-only maps are copy-on-write, so the
-    files never change even if a tensor is written.
+    files never change even if a tensor is written. A tensor whose data is not aligned to its
+    dtype is an aligned copy of its bytes in a read-only map, and a view of the file's bytes
+    at their unaligned address in a writable one (see the module docstring).
     """
 
     def __init__(self, locations: Mapping[str, TensorLocation], *, writable: bool = False) -> None:
+        import torch
+
         self._maps: dict[Path, np.memmap] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         for name, loc in locations.items():
-            dtype = DTYPES[loc.dtype]
-            if loc.start % dtype.itemsize:
-                raise CheckpointError(f"{loc.path}: tensor {name!r} is not aligned to its dtype")
+            dtype = dtype_from_name(loc.dtype)
             if loc.stop == loc.start:
                 self.tensors[name] = torch.empty(loc.shape, dtype=dtype)
                 continue
@@ -162,8 +174,10 @@ class MappedCheckpoint:
                 self._maps[loc.path] = np.memmap(
                     loc.path, dtype=np.uint8, mode="r+" if writable else "c"
                 )
-            raw = torch.from_numpy(self._maps[loc.path][loc.start : loc.stop])
-            self.tensors[name] = raw.view(dtype).reshape(loc.shape)
+            raw = self._maps[loc.path][loc.start : loc.stop]
+            if loc.start % dtype.itemsize and not writable:
+                raw = np.array(raw)  # a fresh buffer: aligned (numpy aligns to 16 bytes or more)
+            self.tensors[name] = torch.from_numpy(raw).view(dtype).reshape(loc.shape)
 
     def flush(self) -> None:
         """Write dirty pages of every mapped file to disk (msync)."""
@@ -191,12 +205,12 @@ def create_checkpoint(
         )
     folder = Path(dest)
     folder.mkdir(parents=True, exist_ok=True)
-    order = sorted(table, key=lambda n: (-DTYPES[table[n][0]].itemsize, n))
+    order = sorted(table, key=lambda n: (-itemsize(table[n][0]), n))
     shards: list[list[str]] = [[]]
     used = 0
     for name in order:
         dtype, shape = table[name]
-        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        nbytes = math.prod(shape) * itemsize(dtype)
         if shards[-1] and used + nbytes > max_shard_bytes:
             shards.append([])
             used = 0
@@ -225,7 +239,7 @@ def _write_empty(
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, (dtype, shape) in table.items():
-        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        nbytes = math.prod(shape) * itemsize(dtype)
         header[name] = {
             "dtype": _ST_CODES[dtype],
             "shape": list(shape),

@@ -3,16 +3,24 @@
 deltastore never compares or moves tensor data as floats: every element is handled as an
 unsigned little-endian integer of the dtype's size (a *word*), so NaN payloads, -0.0, inf and
 subnormals round-trip bit-exactly. Dtype names are torch's (``bfloat16``, ``float32``...).
+
+Names and sizes (:func:`itemsize`, :func:`word_dtype`) need only numpy, so code that reads
+manifests (``deltastore log``, ``show``, ``verify``) never imports torch; the torch dtypes
+(:func:`dtype_from_name`, :data:`DTYPES`, the tensor views) import it on first use.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from deltastore.errors import DeltastoreError, ManifestError, TensorMismatchError
+
+if TYPE_CHECKING:
+    import torch
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
     raise DeltastoreError(
@@ -20,60 +28,89 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian CI machine
         "and views tensor memory without byte swapping"
     )
 
-_NAMES = (
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "uint16",
-    "int32",
-    "uint32",
-    "int64",
-    "uint64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-)
-
-#: torch dtype by format name, for every dtype this torch build has.
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in _NAMES
-    if isinstance(getattr(torch, name, None), torch.dtype)
+#: Bytes per element of every dtype format v1 names (torch's names).
+ITEMSIZES: dict[str, int] = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
 }
-_NAME_OF: dict[torch.dtype, str] = {dt: name for name, dt in DTYPES.items()}
+_NAMES = tuple(ITEMSIZES)
 
-#: torch integer dtype used for gather/scatter of words of each size (bytes).
-_TORCH_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+if TYPE_CHECKING:
+    #: torch dtype by format name, for every dtype this torch build has (imports torch on
+    #: first access).
+    DTYPES: dict[str, torch.dtype]
+
+
+@functools.cache
+def _tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    """``(name -> torch dtype, torch dtype -> name)``, built on first use (imports torch)."""
+    import torch
+
+    by_name = {
+        name: dt for name in _NAMES if isinstance(dt := getattr(torch, name, None), torch.dtype)
+    }
+    return by_name, {dt: name for name, dt in by_name.items()}
+
+
+@functools.cache
+def _torch_words() -> dict[int, torch.dtype]:
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+if not TYPE_CHECKING:
+
+    def __getattr__(name: str) -> Any:  # PEP 562: DTYPES without importing torch up front
+        if name == "DTYPES":
+            return _tables()[0]
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
     """Return the torch dtype called ``name``; :class:`ManifestError` if unknown."""
+    by_name = _tables()[0]
     try:
-        return DTYPES[name]
+        return by_name[name]
     except KeyError:
-        raise ManifestError(f"unknown dtype {name!r}; format v1 knows {sorted(DTYPES)}") from None
+        raise ManifestError(f"unknown dtype {name!r}; format v1 knows {sorted(by_name)}") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """Return the format name of ``dtype``; :class:`TensorMismatchError` if unsupported."""
+    by_name, name_of = _tables()
     try:
-        return _NAME_OF[dtype]
+        return name_of[dtype]
     except KeyError:
         raise TensorMismatchError(
-            f"dtype {dtype} is not supported; use one of {sorted(DTYPES)}"
+            f"dtype {dtype} is not supported; use one of {sorted(by_name)}"
         ) from None
 
 
 def itemsize(name: str) -> int:
-    """Bytes per element of the dtype called ``name``."""
-    return dtype_from_name(name).itemsize
+    """Bytes per element of the dtype called ``name`` (no torch needed)."""
+    try:
+        return ITEMSIZES[name]
+    except KeyError:
+        raise ManifestError(
+            f"unknown dtype {name!r}; format v1 knows {sorted(ITEMSIZES)}"
+        ) from None
 
 
 def word_dtype(size: int) -> np.dtype[np.unsignedinteger]:
@@ -83,7 +120,7 @@ def word_dtype(size: int) -> np.dtype[np.unsignedinteger]:
 
 def torch_word_dtype(size: int) -> torch.dtype:
     """torch integer dtype of ``size`` bytes used for index_select / index_copy_."""
-    return _TORCH_WORD[size]
+    return _torch_words()[size]
 
 
 def flat_words(t: torch.Tensor) -> torch.Tensor:

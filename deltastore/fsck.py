@@ -40,7 +40,6 @@ import xxhash
 from deltastore._replay import ADLER32, FRAME, Replay
 from deltastore.checkpoint import CheckpointError, MappedCheckpoint, locate, table_of
 from deltastore.errors import ManifestError, ObjectNotFoundError
-from deltastore.folders import PENDING, SIDECAR, checksums, read_state
 from deltastore.manifest import (
     DATA_PREFIX,
     LATEST_KEY,
@@ -468,6 +467,8 @@ def verify_checkout(
     table and checksums come from that version's manifest in the store, and the sidecar is
     checked against it. Raises :class:`CheckpointError` when ``dest`` has no (readable)
     sidecar or its files are not a checkpoint."""
+    from deltastore.folders import PENDING, SIDECAR, checksums, read_state  # imports torch
+
     t0 = time.perf_counter()
     folder = Path(dest)
     state = read_state(folder)

@@ -1,0 +1,173 @@
+"""Start-up (issue 11, point 8): the commands that only read manifests never import torch.
+
+``deltastore --help``, ``--version``, ``log``, ``show`` and ``verify`` (without ``--deep``)
+run here in a subprocess whose ``torch`` cannot be imported (a ``torch`` package that raises
+ImportError comes first on PYTHONPATH), against a store published beforehand with torch.
+``import deltastore`` imports none of torch, typer or rich: the public names are imported on
+first use (PEP 562).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import deltastore
+from deltastore import Publisher, __version__
+
+ROOT = Path(__file__).parent.parent
+HEAVY = ("torch", "typer", "rich")
+
+
+def console_script() -> str:
+    exe = Path(sys.executable).parent / "deltastore"
+    found = str(exe) if exe.is_file() else shutil.which("deltastore")
+    if found is None:
+        pytest.skip("the deltastore console script is not installed")
+    return found
+
+
+@pytest.fixture(scope="module")
+def no_torch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment whose ``import torch`` raises ImportError."""
+    fake = tmp_path_factory.mktemp("no-torch")
+    (fake / "torch").mkdir()
+    (fake / "torch" / "__init__.py").write_text(
+        'raise ImportError("torch was imported: this test forbids it")\n'
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DELTASTORE_SIGNING_KEY"}
+    env["PYTHONPATH"] = os.pathsep.join([str(fake), *filter(None, [env.get("PYTHONPATH")])])
+    check = subprocess.run(
+        [sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True
+    )
+    assert check.returncode != 0 and "this test forbids it" in check.stderr  # the fake works
+    return env
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two versions (an anchor and a delta) of three tensors, published with torch."""
+    root = tmp_path_factory.mktemp("store") / "s"
+    pub = Publisher(root)
+    w = {
+        "w": torch.linspace(-1, 1, 600).to(torch.bfloat16),
+        "b": torch.arange(40, dtype=torch.float32),
+        "n": torch.tensor(3, dtype=torch.int64),
+    }
+    pub.publish(w, version=1)
+    w["b"][:5] += 1
+    pub.publish(w, version=2)
+    return root
+
+
+def run(env: dict[str, str], *args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [console_script(), *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_import_deltastore_imports_no_torch_typer_or_rich() -> None:
+    code = (
+        "import json, sys, deltastore, deltastore.manifest; "
+        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+@pytest.mark.parametrize("command", ["--help", "--version", "log", "log-json", "show", "verify"])
+def test_read_only_commands_run_without_torch(
+    command: str, no_torch: dict[str, str], store: Path
+) -> None:
+    args: dict[str, list[str | Path]] = {
+        "--help": ["--help"],
+        "--version": ["--version"],
+        "log": ["log", store],
+        "log-json": ["log", store, "--json"],
+        "show": ["show", store, "2", "--tensors"],
+        "verify": ["verify", store],
+    }
+    result = run(no_torch, *args[command])
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr and "forbids" not in result.stderr
+    out = result.stdout
+    if command == "--help":
+        assert all(c in out for c in ("publish", "pull", "log", "show", "verify", "gc"))
+    elif command == "--version":
+        assert out.strip() == f"deltastore {__version__}"
+    elif command == "log":
+        rows = [line.split() for line in out.splitlines()[1:]]
+        assert [r[:3] for r in rows] == [["2", "delta", "1"], ["1", "anchor", "-"]]
+    elif command == "log-json":
+        entries = json.loads(out)
+        assert [(e["version"], e["changed_elements"]) for e in entries] == [(2, 5), (1, 641)]
+    elif command == "show":
+        assert "version       2" in out and "kind          delta" in out
+        assert "tensors       3 (641 elements" in out
+        assert "changed       5 " in out
+        assert all(name in out for name in ("bfloat16", "float32", "int64"))
+    else:
+        assert out.strip().endswith(": ok") and "2 versions" in out
+
+
+def test_every_public_name_imports_lazily_and_is_listed() -> None:
+    names = sorted(deltastore.__all__)
+    code = (
+        "import json, sys, deltastore\n"
+        "before = sorted(m for m in sys.modules if m.startswith('deltastore.'))\n"
+        "listed = [n for n in deltastore.__all__ if n not in dir(deltastore)]\n"
+        f"from deltastore import {', '.join(names)}\n"
+        "try:\n"
+        "    from deltastore import NoSuchName\n"
+        "    missing = False\n"
+        "except ImportError:\n"
+        "    missing = True\n"
+        f"got = [n for n in {names!r} if globals()[n] is getattr(deltastore, n)]\n"
+        "print(json.dumps([before, listed, got, missing]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, unlisted, got, missing_raises = json.loads(out.stdout)
+    assert before == ["deltastore._version"]  # nothing imported before first use
+    assert unlisted == [] and got == names and missing_raises
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        _ = deltastore.NoSuchName  # type: ignore[attr-defined]
+
+
+def test_type_checking_imports_match_the_lazy_exports() -> None:
+    """What type checkers see (the ``if TYPE_CHECKING:`` imports) is what runs."""
+    tree = ast.parse((ROOT / "deltastore" / "__init__.py").read_text())
+    seen: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom) and imp.module is not None
+                for alias in imp.names:
+                    assert alias.asname == alias.name, alias.name  # an explicit re-export
+                    seen[alias.name] = imp.module
+    exports = deltastore._EXPORTS  # type: ignore[attr-defined]
+    assert seen == exports
+    assert sorted(deltastore.__all__) == sorted([*exports, "__version__"])
+    for name, module in exports.items():
+        assert getattr(deltastore, name).__module__.startswith("deltastore"), (name, module)
+
+
+def test_dtype_names_and_sizes_need_no_torch_and_match_torch() -> None:
+    from deltastore import dtypes
+
+    assert set(dtypes.ITEMSIZES) == set(dtypes.DTYPES)  # this torch has every format dtype
+    for name, size in dtypes.ITEMSIZES.items():
+        assert dtypes.DTYPES[name] is getattr(torch, name)
+        assert dtypes.itemsize(name) == size == getattr(torch, name).itemsize, name
+        assert dtypes.dtype_name(getattr(torch, name)) == name
