@@ -54,8 +54,30 @@ KEY_PATTERN: Final = rf"^{SEGMENT}(/{SEGMENT})*$"
 OBJECT_PATTERN: Final = rf"^versions/{SEGMENT}(/{SEGMENT})*$"
 _MANIFEST_KEY = re.compile(r"manifests/([0-9]{20})\.json")
 NAME_PATTERN: Final = r"^[^\x00-\x1f\x7f]{1,1024}$"
+#: The same rule as the JSON Schema states it: unpaired surrogates are excluded explicitly
+#: (pydantic refuses them before any pattern is applied; the schema has no such step).
+SCHEMA_NAME_PATTERN: Final = r"^[^\x00-\x1f\x7f\ud800-\udfff]{1,1024}$"
 #: Key ids of signed manifests: 1 to 64 ASCII letters, digits, ``.``, ``_`` or ``-``.
 KEY_ID_PATTERN: Final = r"^[A-Za-z0-9._-]{1,64}$"
+#: ``LATEST`` objects larger than this are damaged (the reference writer's are ~160 bytes).
+MAX_LATEST_BYTES: Final = 4096
+
+# ``created``: RFC 3339 UTC date-time, year 0001-9999, a date that exists in the proleptic
+# Gregorian calendar, hours 00-23, minutes and seconds 00-59 (no leap second). The regular
+# expression says it all, so the JSON Schema states the same rule (spec section 6.3).
+_YEAR = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9][0-9]|[0-9][1-9][0-9]{2}|[1-9][0-9]{3})"
+_MONTH_DAY = (
+    r"(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])"  # day 01-28 of any month
+    r"|(?:0[13-9]|1[0-2])-(?:29|30)"  # 29 and 30: every month but February
+    r"|(?:0[13578]|1[02])-31)"  # 31: January, March, May, July, August, October, December
+)
+_LEAP_DAY = (
+    r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])"  # divisible by 4, not by 100
+    r"|(?:0[48]|[2468][048]|[13579][26])00)-02-29"  # divisible by 400 (year 0000 excluded)
+)
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?"
+CREATED_PATTERN: Final = rf"^(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_DAY})T{_TIME}Z$"
+_CREATED = re.compile(CREATED_PATTERN)
 
 U32 = Annotated[int, Field(ge=0, le=0xFFFFFFFF)]
 Count = Annotated[int, Field(ge=0, le=MAX_ELEMENTS)]
@@ -178,14 +200,21 @@ class Manifest(_Model, SizeRatios):
     kind: Literal["anchor", "delta"]
     parent: Parent | None
     state_digest: Digest
-    created: Annotated[
-        str,
-        Field(pattern=r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?Z$"),
-    ]
+    created: Annotated[str, Field(json_schema_extra={"pattern": CREATED_PATTERN})]
     writer: Writer
     tensors: dict[Annotated[str, Field(pattern=NAME_PATTERN)], TensorEntry]
     #: Optional: absent in an unsigned manifest (never ``null``). Always the last member.
     signature: Signature | None = None
+
+    @field_validator("created")
+    @classmethod
+    def _valid_time(cls, value: str) -> str:
+        if not _CREATED.fullmatch(value):
+            raise ValueError(
+                f"{value[:40]!r} is not a UTC time YYYY-MM-DDTHH:MM:SS[.fraction]Z with a real "
+                "calendar date (year 0001-9999), hours 00-23, minutes and seconds 00-59"
+            )
+        return value
 
     @field_validator("signature", mode="before")
     @classmethod
@@ -209,12 +238,15 @@ class Manifest(_Model, SizeRatios):
         if self.kind == "delta" and self.parent is None:
             raise ValueError("a delta needs a parent")
         for name, t in self.tensors.items():
-            if self.parent is None and (t.parent_adler32 is not None or t.changed != t.numel):
-                raise ValueError(
-                    f"{name}: without a parent, parent_adler32 is null and all elements changed"
-                )
+            if self.parent is None and t.parent_adler32 is not None:
+                raise ValueError(f"{name}: without a parent, parent_adler32 is null")
             if self.kind == "delta" and t.parent_adler32 is None:
                 raise ValueError(f"{name}: a delta tensor needs parent_adler32")
+            if t.parent_adler32 is None and t.changed != t.numel:
+                raise ValueError(
+                    f"{name}: parent_adler32 is null (not compared with a parent), so every "
+                    f"element counts as changed: changed must be {t.numel}, not {t.changed}"
+                )
             if any((f.parent_adler32 is None) != (t.parent_adler32 is None) for f in t.frames):
                 raise ValueError(f"{name}: frames and tensor disagree on parent_adler32")
             if self.kind == "anchor":
@@ -263,12 +295,21 @@ class Manifest(_Model, SizeRatios):
 
 
 class Latest(_Model):
-    """Content of the ``LATEST`` hint object."""
+    """Content of the ``LATEST`` hint object; ``manifest`` is the manifest key of ``version``."""
 
     format_version: Literal[1]
     version: Version
-    manifest: str
+    manifest: Annotated[str, Field(pattern=r"^manifests/[0-9]{20}\.json$")]
     sha256: Digest
+
+    @model_validator(mode="after")
+    def _check(self) -> Latest:
+        if self.manifest != manifest_key(self.version):
+            raise ValueError(
+                f"manifest {self.manifest!r} is not the key of version {self.version} "
+                f"({manifest_key(self.version)})"
+            )
+        return self
 
 
 def state_digest(table: Iterable[tuple[str, str, list[int], int]]) -> str:
@@ -281,12 +322,21 @@ def state_digest(table: Iterable[tuple[str, str, list[int], int]]) -> str:
     return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
 
 
-def _load_json(data: bytes, what: str) -> Any:
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{what} is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
+def _load_json(data: bytes, what: str, limit: int | None = None) -> Any:
+    """JSON text under the rules of spec section 6.1: at most ``limit`` bytes, UTF-8 without a
+    byte order mark, no NaN/Infinity, no ``-0``, no duplicate member names; strings with an
+    unpaired surrogate escape are refused by the (strict) models. ``limit`` defaults to
+    :data:`MAX_MANIFEST_BYTES` (read at call time)."""
+    limit = MAX_MANIFEST_BYTES if limit is None else limit
+    if len(data) > limit:
+        raise ManifestError(f"{what} is {len(data)} bytes, over the {limit} limit")
     try:
         return json.loads(
-            data.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_no_duplicates
+            data.decode("utf-8"),
+            parse_constant=_reject_constant,
+            # the hook costs a Python call per integer: only when a -0 token may be there
+            parse_int=_parse_int if _MAYBE_MINUS_ZERO.search(data) else None,
+            object_pairs_hook=_no_duplicates,
         )
     except UnicodeDecodeError:
         raise ManifestError(f"{what} is not UTF-8 text; the store holds a damaged object") from None
@@ -296,6 +346,17 @@ def _load_json(data: bytes, what: str) -> Any:
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not allowed")
+
+
+#: Every ``-0`` number token follows ``:``, ``[`` or ``,`` and JSON whitespace; this also
+#: matches inside some strings, which only costs the slower, checking parse.
+_MAYBE_MINUS_ZERO = re.compile(rb"[:\[,][ \t\n\r]*-0")
+
+
+def _parse_int(text: str) -> int:
+    if text == "-0":
+        raise ValueError("-0 is not allowed (no number of the format is negative; write 0)")
+    return int(text)
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -320,7 +381,12 @@ def parse_manifest(data: bytes, *, key: str = "manifest") -> Manifest:
     if "format_version" not in obj:
         raise ManifestError(f"{key} has no format_version: it is not a deltastore manifest")
     fv = obj["format_version"]
-    if type(fv) is not int or fv != FORMAT_VERSION:
+    if type(fv) is not int:
+        raise UnsupportedFormatError(
+            f"{key}: format_version {fv!r} is not an integer; every format version is a JSON "
+            "integer (this deltastore reads 1): the object is damaged or not a manifest"
+        )
+    if fv != FORMAT_VERSION:
         raise UnsupportedFormatError(
             f"{key}: format_version {fv!r} is not supported; this deltastore reads format "
             f"version {FORMAT_VERSION}: upgrade deltastore to read newer stores"
@@ -334,7 +400,7 @@ def parse_manifest(data: bytes, *, key: str = "manifest") -> Manifest:
 def parse_latest(data: bytes) -> Latest:
     """Parse the ``LATEST`` hint; :class:`ManifestError` when it is damaged."""
     try:
-        return Latest.model_validate(_load_json(data, LATEST_KEY))
+        return Latest.model_validate(_load_json(data, LATEST_KEY, MAX_LATEST_BYTES))
     except ValidationError as exc:
         raise ManifestError(f"LATEST is malformed: {_validation_summary(exc)}") from None
 
@@ -347,6 +413,26 @@ def json_schema() -> str:
         "$ref": "#/$defs/Signature",
         "description": "Optional HMAC-SHA256 of the canonical manifest bytes (spec 6.7)",
     }
+    # every member of `tensors` is a tensor entry under a valid name (no patternProperties,
+    # which would let any other name through with any value)
+    schema["properties"]["tensors"] = {
+        "additionalProperties": {"$ref": "#/$defs/TensorEntry"},
+        "description": "Tensor name -> entry; MAY be empty (spec 6.3)",
+        "propertyNames": {"pattern": SCHEMA_NAME_PATTERN},
+        "title": "Tensors",
+        "type": "object",
+    }
+    schema["$defs"]["Writer"]["properties"]["library"]["pattern"] = r"^[^\ud800-\udfff]*$"
+    schema["$comment"] = _SCHEMA_COMMENT
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["$id"] = "https://deltastore.dev/schema/manifest.v1.schema.json"
     return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+
+
+_SCHEMA_COMMENT = (
+    "Patterns use Unicode code points (ECMA-262 'u' flag). Rules of docs/spec/format-v1.md "
+    "this schema cannot express, which readers MUST also check: the JSON text (6.1: UTF-8 "
+    "without a byte order mark, no duplicate member names, no unpaired surrogate escape, "
+    "integers written without fraction or exponent and never as -0; JSON Schema treats 1.0 "
+    "and 1e3 as the integers 1 and 1000) and the cross-field invariants of section 6.6."
+)

@@ -39,7 +39,8 @@ lying / missing / mismatched content size  test_codecs::test_lying_content_size_
 garbage, truncated frames                  test_codecs::test_garbage_is_refused,          10
                                            test_truncated_frames_are_refused
 invalid ``xor-sparse`` bodies              test_codecs::test_invalid_xor_sparse_...       14
-schema-invalid manifests                   test_schema::test_invalid_examples_...         16
+schema-invalid manifests                   test_schema::test_invalid_examples_...         23
+JSON text and invariants beyond the schema test_schema::test_examples_beyond_the_...        8
 =========================================  ==========================================  =====
 """
 
@@ -168,6 +169,7 @@ REFERENCES: list[tuple[Any, tuple[str, ...], int]] = [
     (test_codecs, ("test_garbage_is_refused", "test_truncated_frames_are_refused"), 10),
     (test_codecs, ("test_invalid_xor_sparse_is_refused",), 14),
     (test_schema, ("test_invalid_examples_fail_schema_and_parser",), len(test_schema.INVALID)),
+    (test_schema, ("test_examples_beyond_the_schema_fail_the_parser",), len(test_schema.BEYOND)),
 ]
 
 
@@ -181,7 +183,7 @@ def test_reference_table_is_current() -> None:
     """The tests the docstring's table points to exist and have the counted cases."""
     for module, names, count in REFERENCES:
         assert sum(_cases(getattr(module, name)) for name in names) == count, names
-    assert len(test_schema.INVALID) == 16
+    assert len(test_schema.INVALID) == 23 and len(test_schema.BEYOND) == 8
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -608,6 +610,13 @@ LATEST_CONTENT: dict[str, bytes] = {
     ).encode(),
     "older version": b"",  # filled in below: a valid hint for version 1
     "duplicate key": b'{"format_version":1,"version":1,"version":2}',
+    "over 4096 bytes": b"",  # filled in below: a valid hint for version 2, padded
+    "version -0": json.dumps(
+        {"format_version": 1, "version": 0, "manifest": manifest_key(0), "sha256": "0" * 64}
+    )
+    .replace('"version": 0', '"version": -0')
+    .encode(),
+    "byte order mark": b"",  # filled in below: a valid hint for version 2 after a BOM
 }
 
 
@@ -624,6 +633,13 @@ def test_hostile_latest_is_ignored(world: World, content: str) -> None:
                 "sha256": hashlib.sha256(body).hexdigest(),
             }
         ).encode()
+    if content in ("over 4096 bytes", "byte order mark"):
+        body = (world.store / manifest_key(2)).read_bytes()
+        hint = {"format_version": 1, "version": 2, "manifest": manifest_key(2)}
+        data = json.dumps({**hint, "sha256": hashlib.sha256(body).hexdigest()}).encode()
+        data = data + b" " * 4096 if content == "over 4096 bytes" else b"\xef\xbb\xbf" + data
+        with pytest.raises(ManifestError):
+            parse_latest(data)
     (world.store / "LATEST").write_bytes(data)
     assert world.sub.sync().version == 2  # listing finds v2 regardless of the hint
     bad_input.assert_bits(bad_input.clone_bits(world.template.v2), world.sub.tensors)

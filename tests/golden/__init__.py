@@ -1,0 +1,1 @@
+"""Golden stores: exact bytes that documents show, committed so that tests read them."""
