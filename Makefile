@@ -10,16 +10,22 @@ TORCH_INDEX ?=
 
 .PHONY: demo test lint schema clean
 
+# First run only: a few minutes, most of it torch (pip shows each download and its progress).
 $(STAMP): pyproject.toml
+	@echo "==> creating $(VENV) (first run only; later runs reuse it)..."
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,s3,gcs,azure]'
+	@echo "==> installing $(TORCH) $(if $(TORCH_INDEX),from $(TORCH_INDEX) ,)(CPU build ~200 MB; PyPI's default Linux build is CUDA: several GB, many minutes)..."
+	$(BIN)/python -m pip install --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	@echo "==> installing deltastore and test tools (numpy, pydantic, zstandard, S3/GCS/Azure clients, pytest, moto, ruff, mypy)..."
+	$(BIN)/python -m pip install --disable-pip-version-check -e '.[dev,s3,gcs,azure]'
 	@# Azurite (Azure Blob emulator, Node.js) for tests/test_store_azure.py; optional: the tests skip without it
 	@if command -v npm >/dev/null 2>&1; then \
+	  echo "==> installing $(AZURITE) (Azure emulator for the Azure store tests; optional)..."; \
 	  npm install --prefix .azurite --no-audit --no-fund --loglevel=error $(AZURITE) >/dev/null || \
 	    echo "note: npm install $(AZURITE) failed; the Azure store tests will skip"; \
 	else echo "note: npm not found; the Azure store tests will skip (they need $(AZURITE))"; fi
 	touch $(STAMP)
+	@echo "==> $(VENV) is ready"
 
 demo: $(STAMP)
 	$(BIN)/deltastore demo
