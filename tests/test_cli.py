@@ -1042,3 +1042,177 @@ def test_docs_list_every_command_option_and_exit_code() -> None:
         for name, code in constants.items():
             rows = [m for line in body.splitlines() if name in line if (m := re.match(cell, line))]
             assert [int(m.group(1)) for m in rows] == [code], name
+
+
+# --- help and output (issue 11, point 11) --------------------------------------------------
+
+
+def test_help_shows_upper_case_arguments_and_no_value_for_flags() -> None:
+    group = typer.main.get_command(app)
+    assert isinstance(group, typer.main.TyperGroup)
+    assert "<bool>" not in ok("--help").stdout and "<int>" not in ok("--help").stdout
+    for name, sub in group.commands.items():
+        out = ok(name, "--help").stdout
+        usage = next(line for line in out.splitlines() if "Usage:" in line)
+        assert "{" not in usage and "}" not in usage, usage
+        for param in sub.params:
+            if param.param_type_name == "argument":
+                metavar = param.name.upper()  # type: ignore[union-attr]
+                assert metavar in usage, (name, usage)
+                assert re.search(rf"(?m)^\W*\*?\s*{metavar}\s", out), (name, metavar)
+        assert "<bool>" not in out, name  # flags take no value
+        assert "<int>" not in out or name in ("publish", "demo", "bench"), name
+
+
+def test_gc_says_that_orphans_is_required(tmp_path: Path) -> None:
+    help_text = ok("gc", "--help").stdout
+    assert re.search(r"Usage: \S+ gc --orphans \[OPTIONS\] STORE\s", help_text), help_text
+    row = next(line for line in help_text.splitlines() if "--orphans" in line and "*" in line)
+    assert "Required" in help_text and "[required]" in help_text, row
+    result = cli("gc", tmp_path)
+    assert result.exit_code == common.EXIT_USAGE
+    assert "Missing option '--orphans'" in result.output
+
+
+def test_human_bytes() -> None:
+    assert common.human_bytes(0) == "0 B"
+    assert common.human_bytes(999) == "999 B"
+    assert common.human_bytes(999.6) == "999.60 B"  # not "1000 B"
+    assert common.human_bytes(12288) == "12.29 kB"
+    assert common.human_bytes(999_999) == "1.00 MB"  # not "1000.00 kB"
+    assert common.human_bytes(None) == "size unknown"
+
+
+def test_gc_reports_orphan_sizes_and_says_when_the_store_gives_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deltastore.gc import GcReport, Orphan
+
+    store = tmp_path / "store"
+    Publisher(store).publish({"w": torch.ones(10)}, version=1)
+    orphan = store / "versions" / f"{2:020d}" / "lost.dsz"
+    orphan.parent.mkdir(parents=True)
+    orphan.write_bytes(b"x" * 12288)
+    out = ok("gc", store, "--orphans", "--min-age", "0").stdout
+    assert f"removed versions/{2:020d}/lost.dsz (12.29 kB)" in out
+    assert "removed 1 orphan (12.29 kB)" in out
+
+    # an object store: orphans without a size (the store does not report it), never "0 B"
+    blind = Orphan(f"versions/{2:020d}/a.dsz", 2, False, None, None, None)
+    sized = Orphan(f"versions/{2:020d}/b.dsz", 2, False, 5000, None, None)
+    for orphans, total in [
+        ((blind,), "(size unknown: the store does not report sizes)"),
+        ((blind, sized), "(5.00 kB and 1 of unknown size)"),
+    ]:
+        report = GcReport(
+            store="s3://bucket/p",
+            newest=1,
+            manifests=1,
+            referenced=1,
+            orphans=orphans,
+            removed=tuple(o.key for o in orphans),
+            dry_run=False,
+            min_age_s=0.0,
+        )
+        monkeypatch.setattr("deltastore.gc.gc", lambda *a, report=report, **k: report)
+        out = ok("gc", "s3://bucket/p", "--orphans").stdout
+        assert "0 B" not in out
+        assert f"removed {blind.key} (size unknown)" in out
+        assert f"removed {len(orphans)} orphan{'s' if len(orphans) > 1 else ''} {total}" in out
+        got = ok_json("gc", "s3://bucket/p", "--orphans")
+        assert got["removed_unknown_size"] == 1
+
+
+def test_pull_over_several_versions_counts_element_changes_not_elements(
+    chain: tuple[Path, Any], tmp_path: Path
+) -> None:
+    store, _ = chain
+    dest = tmp_path / "dest"
+    ok("pull", store, dest, "--version", "1")
+    many = ok_json("pull", store, tmp_path / "other", "--version", "1")
+    assert many["applied"] == [1]
+    text = ok("pull", store, dest).stdout  # v2 and v3: the counts of both add up
+    n = ok_json("pull", store, tmp_path / "json", "--version", "1")["changed_elements"]
+    assert n == many["changed_elements"]
+    match = re.search(r"applied 2, 3\): .* fetched, (\d+) element changes over 2 versions ", text)
+    assert match, text
+    assert "elements changed" not in text
+    one = ok("pull", store, tmp_path / "other").stdout  # v1 -> v3 is also two versions
+    assert "element changes over 2 versions" in one
+    single = ok("pull", store, tmp_path / "json", "--version", "2").stdout
+    assert re.search(r"applied 2\): .* fetched, \d+ elements changed in ", single), single
+
+
+CTRL_C = """
+import os, signal, sys, time
+import deltastore.cli as cli
+from deltastore.cli import _common
+
+def ctrl_c(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(2)
+
+if sys.argv[1] == "after-print":  # Ctrl-C lands right after the result is printed
+    real = _common.out_console.print
+    def print_then_ctrl_c(*args, **kwargs):
+        real(*args, **kwargs)
+        sys.stdout.flush()
+        ctrl_c()
+    _common.out_console.print = print_then_ctrl_c
+elif sys.argv[1] == "during-work":
+    import deltastore.history
+    deltastore.history.version_log = ctrl_c
+elif sys.argv[1] == "before-work":  # outside handle_errors
+    cli.parse_storage_options = ctrl_c
+sys.argv = ["deltastore", *sys.argv[2:]]
+cli.main()
+"""
+
+
+def test_ctrl_c_after_the_result_is_printed_keeps_the_result(chain: tuple[Path, Any]) -> None:
+    store, _ = chain
+    proc = subprocess.run(
+        [sys.executable, "-c", CTRL_C, "after-print", "log", str(store)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    assert proc.stderr == ""
+    assert [line.split()[0] for line in proc.stdout.splitlines()[1:]] == ["3", "2", "1"]
+
+
+@pytest.mark.parametrize(
+    ("when", "args"), [("during-work", ["log"]), ("before-work", ["pull", "DEST"])]
+)
+def test_ctrl_c_during_the_work_is_exit_130_and_one_line(
+    chain: tuple[Path, Any], tmp_path: Path, when: str, args: list[str]
+) -> None:
+    store, _ = chain
+    args = [args[0], str(store), *[str(tmp_path / "d") for a in args[1:]]]
+    proc = subprocess.run(
+        [sys.executable, "-c", CTRL_C, when, *args], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == common.EXIT_INTERRUPTED, (proc.returncode, proc.stderr)
+    assert proc.stderr == "interrupted\n"
+    assert proc.stdout == ""
+
+
+def test_warnings_are_not_wrapped_when_stderr_is_not_a_terminal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import io
+    import logging
+
+    saved = logging.root.handlers[:], logging.root.level
+    stderr = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    message = "retrying " + " ".join(f"word{i}" for i in range(60))  # about 400 characters
+    try:
+        common.setup_logging(0)
+        logging.getLogger("deltastore.test").warning(message)
+    finally:
+        logging.root.handlers[:], _ = saved[0], logging.root.setLevel(saved[1])
+    lines = stderr.getvalue().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].endswith(message) and "WARNING" in lines[0]

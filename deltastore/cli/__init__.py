@@ -11,7 +11,7 @@ import enum
 import signal
 import threading
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -20,7 +20,9 @@ from rich.text import Text
 from deltastore._version import __version__
 from deltastore.cli._common import (
     EXIT_ERROR,
+    EXIT_INTERRUPTED,
     EXIT_MISMATCH,
+    RUN,
     Settings,
     err_console,
     handle_errors,
@@ -29,13 +31,19 @@ from deltastore.cli._common import (
     parse_storage_options,
     print_json,
     progress_bar,
+    report_interrupt,
     settings,
+    settle,
     setup_logging,
 )
-from deltastore.publisher import PublishReport
-from deltastore.subscriber import SyncReport
+from deltastore.cli._help import Command, Group
+
+if TYPE_CHECKING:  # the library is imported inside each command: --help never imports torch
+    from deltastore.publisher import PublishReport
+    from deltastore.subscriber import SyncReport
 
 app = typer.Typer(
+    cls=Group,  # every command is declared with cls=Command (see deltastore/cli/_help.py)
     help="Move model weights through shared storage, sending only what changed.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -97,7 +105,7 @@ def _report_json(report: PublishReport | SyncReport) -> dict[str, Any]:
     return dataclasses.asdict(report)
 
 
-@app.command()
+@app.command(cls=Command)
 def publish(
     ctx: typer.Context,
     store: StoreArg,
@@ -156,16 +164,18 @@ def _print_pull(report: SyncReport, json_out: bool) -> None:
     if report.kind == "none":
         out_console.print(f"already at v{report.version}", highlight=False)
         return
+    n, k = report.changed_elements, len(report.applied)
+    # applied over several versions, the counts add up (an element may change in each)
+    changes = f"{n} elements changed" if k == 1 else f"{n} element changes over {k} versions"
     out_console.print(
         f"pulled v{report.version} ({report.kind}, applied {', '.join(map(str, report.applied))}): "
-        f"{human_bytes(report.payload_bytes)} fetched, "
-        f"{report.changed_elements} elements changed in {report.total_s:.2f} s "
+        f"{human_bytes(report.payload_bytes)} fetched, {changes} in {report.total_s:.2f} s "
         f"(pause {report.pause_s * 1000:.1f} ms)",
         highlight=False,
     )
 
 
-@app.command()
+@app.command(cls=Command)
 def pull(
     ctx: typer.Context,
     store: StoreArg,
@@ -192,18 +202,24 @@ def pull(
         if version is not None:
             raise typer.BadParameter("--watch follows the newest version; drop --version")
         stop = threading.Event()  # Ctrl-C / SIGTERM: finish the version in flight, then stop
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig in previous:
             # set from another thread: the handler may interrupt code holding the Event's lock
             signal.signal(sig, lambda *_: threading.Thread(target=stop.set).start())
         with handle_errors(ctx):
-            watch_checkpoint(
-                store,
-                dest,
-                interval=interval,
-                stop=stop,
-                on_report=lambda r: _print_pull(r, json_out),
-                storage_options=options,
-            )
+            try:
+                watch_checkpoint(
+                    store,
+                    dest,
+                    interval=interval,
+                    stop=stop,
+                    on_report=lambda r: _print_pull(r, json_out),
+                    storage_options=options,
+                )
+            finally:  # before handle_errors settles the outcome
+                for sig, handler in previous.items():
+                    if handler is not None:
+                        signal.signal(sig, handler)
         err_console.print("stopped watching")
         return
     with handle_errors(ctx), progress_bar(ctx, "pull") as progress:
@@ -213,7 +229,7 @@ def pull(
     _print_pull(report, json_out)
 
 
-@app.command("log")
+@app.command("log", cls=Command)
 def log_cmd(
     ctx: typer.Context,
     store: StoreArg,
@@ -247,7 +263,7 @@ def log_cmd(
     out_console.print(table)
 
 
-@app.command()
+@app.command(cls=Command)
 def show(
     ctx: typer.Context,
     store: StoreArg,
@@ -257,12 +273,11 @@ def show(
     json_out: JsonOpt = False,
 ) -> None:
     """Show one version's manifest (--json: the manifest itself)."""
-    from deltastore.subscriber import Subscriber
+    from deltastore.history import show_manifest
 
     with handle_errors(ctx):
-        m = Subscriber(store, storage_options=parse_storage_options(storage_option)).manifest(
-            version
-        )
+        options = parse_storage_options(storage_option)
+        m = show_manifest(store, version, storage_options=options)
     if json_out:
         print_json(m.model_dump(mode="json"))
         return
@@ -299,14 +314,18 @@ def show(
         out_console.print(table)
 
 
-@app.command("gc")
+@app.command("gc", cls=Command, options_metavar="--orphans [OPTIONS]")
 def gc_cmd(
     ctx: typer.Context,
     store: StoreArg,
     orphans: Annotated[
         bool,
-        typer.Option("--orphans", help="Remove data objects no committed manifest references."),
-    ] = False,
+        typer.Option(
+            "--orphans",
+            help="Remove data objects no committed manifest references. Required: orphans are "
+            "the only garbage gc collects in this release.",
+        ),
+    ],
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print what would be removed; remove nothing.")
     ] = False,
@@ -322,10 +341,11 @@ def gc_cmd(
     storage_option: StorageOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Remove orphans: data objects of failed or lost publishes (never a committed version's)."""
+    """Remove orphans (--orphans, required): data objects of failed or lost publishes (never
+    a committed version's)."""
     from deltastore.gc import gc
 
-    if not orphans:
+    if not orphans:  # --orphans is a required flag; this is a guard for direct calls
         raise typer.BadParameter("nothing to collect: give --orphans")
     with handle_errors(ctx):
         report = gc(
@@ -335,21 +355,30 @@ def gc_cmd(
             min_age_s=min_age,
             storage_options=parse_storage_options(storage_option),
         )
+    removed = [o for o in report.orphans if o.kept is None]
+    unknown = sum(o.size is None for o in removed)  # object stores may not report sizes
     if json_out:
-        print_json(report.to_json())
+        print_json(report.to_json() | {"removed_unknown_size": unknown})
         return
     verb = "would remove" if dry_run else "removed"
     for o in report.orphans:
-        typer.echo(f"{verb} {o.key}" if o.kept is None else f"kept {o.key}: {o.kept}")
+        size = human_bytes(o.size)
+        typer.echo(f"{verb} {o.key} ({size})" if o.kept is None else f"kept {o.key}: {o.kept}")
     n = len(report.removed)
+    if not unknown:
+        total = human_bytes(report.removed_bytes)
+    elif unknown == n:
+        total = "size unknown: the store does not report sizes"
+    else:
+        total = f"{human_bytes(report.removed_bytes)} and {unknown} of unknown size"
     typer.echo(
-        f"{verb} {n} orphan{'' if n == 1 else 's'} ({human_bytes(report.removed_bytes)}), kept "
+        f"{verb} {n} orphan{'' if n == 1 else 's'} ({total}), kept "
         f"{len(report.kept)}; {report.referenced} objects referenced by {report.manifests} "
         "committed versions"
     )
 
 
-@app.command()
+@app.command(cls=Command)
 def verify(
     ctx: typer.Context,
     store: Annotated[
@@ -397,7 +426,7 @@ def verify(
         raise typer.Exit(EXIT_MISMATCH if checkout is not None else EXIT_DAMAGED)
 
 
-@app.command()
+@app.command(cls=Command)
 def demo(
     ctx: typer.Context,
     store: Annotated[
@@ -478,7 +507,7 @@ def demo(
         raise typer.Exit(EXIT_MISMATCH)
 
 
-@app.command()
+@app.command(cls=Command)
 def bench(
     ctx: typer.Context,
     size: Annotated[
@@ -559,5 +588,20 @@ def bench(
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point: the process exits with the command's result.
+
+    Once a command's outcome is settled (its work ended; the result is about to be printed),
+    Ctrl-C is ignored, so a printed success is never followed by death by SIGINT. A Ctrl-C
+    during the work exits 130 after one line, "interrupted" (no traceback)."""
+    RUN.console_script = True
+    try:
+        app()
+    except SystemExit as exc:
+        settle()
+        if exc.code == EXIT_INTERRUPTED:  # also a Ctrl-C outside handle_errors (typer: 130)
+            report_interrupt()
+        raise
+    except KeyboardInterrupt:  # pragma: no cover - typer turns it into exit 130
+        settle()
+        report_interrupt()
+        raise SystemExit(EXIT_INTERRUPTED) from None

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -84,13 +86,19 @@ def settings(ctx: typer.Context) -> Settings:
 
 
 def setup_logging(verbose: int) -> None:
+    """Log to stderr: rich columns on a terminal; one unwrapped line per record otherwise
+    (log files and pipes get whole messages, not text wrapped at 80 columns)."""
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(
-        level=level,
-        format="%(message)s",
-        handlers=[RichHandler(console=err_console, show_path=False)],
-        force=True,
-    )
+    handler: logging.Handler
+    if err_console.is_terminal:
+        handler = RichHandler(console=err_console, show_path=False)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+        )
+    logging.basicConfig(level=level, handlers=[handler], force=True)
 
 
 def exit_code(exc: BaseException) -> int:
@@ -100,20 +108,55 @@ def exit_code(exc: BaseException) -> int:
     return EXIT_ERROR
 
 
+@dataclass
+class Run:
+    """Where the process stands (one command per process)."""
+
+    #: Set by :func:`deltastore.cli.main`: the process ends with the command (not CliRunner).
+    console_script: bool = False
+    #: The command's outcome is decided: its work finished or failed.
+    settled: bool = False
+    #: "interrupted" was printed.
+    interrupt_reported: bool = False
+
+
+RUN = Run()
+
+
+def settle() -> None:
+    """The command's outcome is decided: from here on, in the console script, Ctrl-C is
+    ignored, so a result that is printed is the result the process exits with."""
+    RUN.settled = True
+    if RUN.console_script and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def report_interrupt() -> None:
+    """The one line printed for a Ctrl-C during a command's work (exit 130)."""
+    if not RUN.interrupt_reported:
+        RUN.interrupt_reported = True
+        err_console.print("interrupted", highlight=False)
+
+
 @contextmanager
 def handle_errors(ctx: typer.Context) -> Iterator[None]:
-    """Turn library errors into one clear line and a stable exit code (traceback with -v)."""
+    """Turn library errors into one clear line and a stable exit code (traceback with -v).
+
+    Wraps a command's work: when it ends, the outcome is settled (see :func:`settle`)."""
     verbose = settings(ctx).verbose
     try:
         yield
     except KeyboardInterrupt:
-        err_console.print("interrupted")
+        settle()
+        report_interrupt()
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except (DeltastoreError, OSError, ValueError) as exc:
+        settle()
         if verbose:
             err_console.print_exception()
         err_console.print(Text.assemble(("error:", "red"), " ", str(exc)), highlight=False)
         raise typer.Exit(exit_code(exc)) from None
+    settle()
 
 
 def parse_storage_options(items: list[str] | None) -> dict[str, Any] | None:
@@ -165,9 +208,15 @@ def print_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+def human_bytes(n: float | None) -> str:
+    """``n`` bytes in decimal units (``12.29 kB``); "size unknown" for None (stores that do
+    not report sizes). Never rounds a nonzero size to "0 B" or up to "1000 kB"."""
+    if n is None:
+        return "size unknown"
+    if abs(n) < 1000:
+        return f"{int(n)} B" if float(n).is_integer() else f"{n:.2f} B"
+    for unit in ("kB", "MB", "GB", "TB"):
         n /= 1000
-    return f"{n:.2f} TB"  # pragma: no cover
+        if abs(n) < 999.995 or unit == "TB":
+            return f"{n:.2f} {unit}"
+    raise AssertionError("unreachable")  # pragma: no cover
