@@ -20,28 +20,52 @@ tensors at no version from the newest anchor at or below the target, checks ever
 against the target, and only then writes the sidecar (:class:`FolderRepair`). Without the
 marker (a folder changed by hand) a mismatch is an error unless ``repair=True``.
 
+A target whose tensor table differs from the folder's (a tensor added, removed, reshaped or
+retyped) is built as new files in the staging folder ``.deltastore.next`` beside the old ones,
+from the newest anchor at or below it; the old files stay valid until the new ones are complete
+and durable, then they are switched (see :mod:`deltastore._folder_state`). A folder whose
+recorded state does not fit the store's chain (another state of its version, after a
+publisher race) is brought back onto it from the newest anchor at or below the target, with a
+warning.
+
 Not safe to run two pulls into the same folder at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
-import json
 import logging
 import os
 import random
 import shutil
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from deltastore._folder_state import (
+    PENDING,
+    SIDECAR,
+    SIDECAR_FORMAT,
+    STAGING,
+    FolderRepair,
+    FolderState,
+    begin,
+    commit_switch,
+    end,
+    few_names,
+    finish_switch,
+    fsync_files,
+    n_tensors,
+    read_state,
+    write_json,
+)
+from deltastore._tables import table_of_manifest
 from deltastore.checkpoint import (
     INDEX_NAME,
     CheckpointError,
@@ -60,18 +84,13 @@ from deltastore.errors import (
     TensorMismatchError,
 )
 from deltastore.layout import Layout
-from deltastore.manifest import Manifest
+from deltastore.manifest import Manifest, state_digest
 from deltastore.progress import ProgressFn
 from deltastore.publisher import Publisher, PublishReport
 from deltastore.store import open_store
 from deltastore.subscriber import Subscriber, SyncReport
 
 log = logging.getLogger(__name__)
-
-SIDECAR = ".deltastore.json"
-SIDECAR_FORMAT = 1
-#: Present while a pull that writes is under way (and after one was killed).
-PENDING = ".deltastore.pending"
 
 
 def default_state_dir(url: str) -> Path:
@@ -109,50 +128,6 @@ def publish_checkpoint(
     return pub.publish(tensors, version=version, anchor=True if anchor else None, progress=progress)
 
 
-@dataclass(frozen=True)
-class FolderState:
-    """Content of a folder's sidecar: the version it is at and its per-tensor Adler-32."""
-
-    version: int
-    state_digest: str
-    adler32: dict[str, int]
-
-
-def read_state(dest: str | os.PathLike[str]) -> FolderState | None:
-    """The folder's recorded state, or None when it has no sidecar."""
-    path = Path(dest) / SIDECAR
-    try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is unreadable ({exc}); pull into a new folder") from None
-    try:
-        if meta["format"] != SIDECAR_FORMAT:
-            raise CheckpointError(f"{path} has format {meta['format']!r}; upgrade deltastore")
-        return FolderState(int(meta["version"]), str(meta["state_digest"]), dict(meta["adler32"]))
-    except (KeyError, TypeError, ValueError):
-        raise CheckpointError(f"{path} is malformed; pull into a new folder") from None
-
-
-def _write_json(dest: Path, name: str, body: dict[str, Any]) -> None:
-    """Replace ``dest/name`` atomically and durably (temp file, fsync, rename, fsync folder);
-    temp files a killed writer left behind are removed first."""
-    for stale in dest.glob(f".{name}.*"):
-        stale.unlink(missing_ok=True)
-    tmp = dest / f".{name}.{uuid.uuid4().hex}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(body, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, dest / name)
-    fd = os.open(dest, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_state(dest: Path, m: Manifest) -> None:
     body = {
         "format": SIDECAR_FORMAT,
@@ -160,72 +135,12 @@ def _write_state(dest: Path, m: Manifest) -> None:
         "state_digest": m.state_digest,
         "adler32": {n: e.adler32 for n, e in m.tensors.items()},
     }
-    _write_json(dest, SIDECAR, body)
-
-
-def _begin(dest: Path, recorded: int | None, target: int) -> None:
-    """Create the marker that says a pull writing ``dest`` is under way."""
-    _write_json(dest, PENDING, {"format": SIDECAR_FORMAT, "from": recorded, "to": target})
-
-
-def _end(dest: Path) -> None:
-    (dest / PENDING).unlink(missing_ok=True)
+    write_json(dest, SIDECAR, body)
 
 
 def checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
     """Adler-32 of each (CPU) tensor's bytes: one read of every tensor, one at a time."""
     return {name: adler32(np_words(t.detach())) for name, t in tensors.items()}
-
-
-def _tensors(n: int) -> str:
-    return f"{n} tensor" if n == 1 else f"{n} tensors"
-
-
-def _names(names: tuple[str, ...]) -> str:
-    more = f", +{len(names) - 5} more" if len(names) > 5 else ""
-    return ", ".join(names[:5]) + more
-
-
-@dataclass(frozen=True)
-class FolderRepair:
-    """What a pull found in a folder whose tensors were not all at its recorded version.
-
-    ``found``: version -> tensors whose Adler-32 is that version's (the target included; a
-    tensor unchanged across versions counts at the newest). ``rebuilt``: tensors at none of
-    them (e.g. written halfway), rebuilt from ``anchor``.
-    """
-
-    recorded: int | None
-    target: int
-    found: dict[int, tuple[str, ...]]
-    rebuilt: tuple[str, ...]
-    anchor: int | None
-
-    def summary(self) -> str:
-        """One line, e.g. ``3 tensors at v7 advanced to v8, 1 tensor (w) inconsistent:
-        rebuilt from anchor v5``."""
-        parts = [
-            f"{_tensors(len(names))} at v{v} advanced to v{self.target}"
-            for v, names in sorted(self.found.items())
-            if v != self.target
-        ]
-        if self.found.get(self.target):
-            parts.append(f"{_tensors(len(self.found[self.target]))} already at v{self.target}")
-        if self.rebuilt:
-            parts.append(
-                f"{_tensors(len(self.rebuilt))} ({_names(self.rebuilt)}) inconsistent: "
-                f"rebuilt from anchor v{self.anchor}"
-            )
-        return ", ".join(parts)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "recorded": self.recorded,
-            "target": self.target,
-            "found": {str(v): list(n) for v, n in sorted(self.found.items())},
-            "rebuilt": list(self.rebuilt),
-            "anchor": self.anchor,
-        }
 
 
 class FolderSync:
@@ -235,6 +150,8 @@ class FolderSync:
     version. ``None`` (default): repair it when a pull was interrupted there (the marker
     ``.deltastore.pending`` exists), else raise :class:`TensorMismatchError`; ``True``: always
     repair; ``False``: never. :attr:`last_repair` says what the last repair found and did.
+    A target with another tensor table than the folder's is built beside it and switched
+    for it (see the module docstring).
     """
 
     def __init__(
@@ -251,22 +168,32 @@ class FolderSync:
         self._repair = repair
         self._ckpt: MappedCheckpoint | None = None
         self._sub: Subscriber | None = None
-        self._checked = False
+        self._state: FolderState | None = None
+        self._checked = self._reopen = False
         self.last_repair: FolderRepair | None = None
-        state = read_state(self.dest)
-        if state is not None:
+        self._open()
+
+    def _open(self) -> None:
+        """Finish a switch to new files that a pull committed, then map the folder."""
+        self._ckpt = self._sub = None
+        self._checked = False
+        if self.dest.is_dir():
+            finish_switch(self.dest)
+        self._state = read_state(self.dest)
+        if self._state is not None:
             self._ckpt = MappedCheckpoint(locate(self.dest), writable=True)
-            self._sub = self._subscriber(self._ckpt.tensors, state.version)
+            self._sub = self._subscriber(self._ckpt.tensors)  # its state: once checked
         elif self.dest.exists() and any(self.dest.iterdir()) and not (self.dest / PENDING).exists():
             raise CheckpointError(
                 f"{self.dest} is not empty and holds no {SIDECAR}: pull into an empty or new "
                 "folder (deltastore only updates folders it created)"
             )
+        self._reopen = False
 
     @property
     def version(self) -> int | None:
         """The version the folder is at (None: not created yet)."""
-        return self._sub.version if self._sub is not None else None
+        return self._state.version if self._state is not None else None
 
     def latest(self) -> int | None:
         """Newest committed version in the store."""
@@ -299,27 +226,92 @@ class FolderSync:
 
     def pull(self, version: int | None = None, *, progress: ProgressFn | None = None) -> SyncReport:
         """Bring the folder to ``version`` (default: newest); see the module docstring."""
+        if self._reopen:  # a switch this object committed (or its reopening) was left undone
+            self._open()
         if self._sub is None:
             return self._create(version, progress)
-        sub, ckpt = self._sub, self._ckpt
-        if ckpt is None:  # pragma: no cover - set together with _sub
+        sub, ckpt, state = self._sub, self._ckpt, self._state
+        if ckpt is None or state is None:  # pragma: no cover - set together with _sub
             raise CheckpointError("folder is not open")
         _, target = self._target(version)
+        goal = sub.manifest(target)
+        new_table = table_of(ckpt.tensors) != table_of_manifest(goal)
         if not self._checked:
-            try:
-                sub.verify()  # every tensor's Adler-32 against the recorded version
-            except TensorMismatchError:
+            bad = self._differing(ckpt, state)
+            if bad:
                 if not (self._repair or (self._repair is None and (self.dest / PENDING).exists())):
-                    raise
+                    raise TensorMismatchError(
+                        f"{self.dest}: the files differ from its recorded version "
+                        f"{state.version} in {n_tensors(len(bad))} (Adler-32 mismatch: "
+                        f"{few_names(tuple(bad))}): the folder was changed by something other "
+                        "than a pull; pull into a new folder"
+                    )
+                if new_table:  # the new files are built from an anchor whatever these hold
+                    return self._rewrite(goal, progress)
                 return self._repair_to(ckpt, target, progress)
+            sub._hold(state.version, state.state_digest, state.adler32)
             self._checked = True
-        if target == sub.version:
+        if new_table:
+            return self._rewrite(goal, progress)
+        if target == state.version and goal.state_digest == state.state_digest:
             return sub.sync(target, progress=progress)
         return self._recorded(
             ckpt,
-            sub.version,
+            state.version,
             target,
             lambda rec: sub.sync(target, progress=progress, on_version=rec),
+        )
+
+    def _differing(self, ckpt: MappedCheckpoint, state: FolderState) -> list[str]:
+        """Tensors whose content is not the recorded state's (one read of every tensor); the
+        names, dtypes and shapes are checked too, through the state digest."""
+        have = checksums(ckpt.tensors)
+        rows = ((n, d, list(s), have[n]) for n, (d, s) in table_of(ckpt.tensors).items())
+        if state_digest(rows) == state.state_digest:
+            return []
+        names = set(have) | set(state.adler32)
+        bad = sorted(n for n in names if have.get(n) != state.adler32.get(n))
+        return bad or sorted(have)  # the same checksums, other dtypes or shapes
+
+    def _rewrite(self, goal: Manifest, progress: ProgressFn | None) -> SyncReport:
+        """Bring the folder to ``goal``, whose tensor table is not the folder's: build its
+        files in the staging folder from the newest anchor at or below it, make them durable,
+        then switch them for the folder's (the old ones stay valid until then)."""
+        t_start = time.perf_counter()
+        recorded = self._state.version if self._state is not None else None
+        if recorded is not None and goal.version < recorded:
+            raise ChainError(
+                f"{self.dest} is at version {recorded}, newer than the requested "
+                f"{goal.version}: a folder does not go back; pull that version into a new folder"
+            )
+        stage = self.dest / STAGING
+        shutil.rmtree(stage, ignore_errors=True)
+        begin(self.dest, recorded, goal.version)
+        try:
+            stage.mkdir()
+            ckpt = MappedCheckpoint(
+                create_checkpoint(stage, table_of_manifest(goal)), writable=True
+            )
+            report = self._subscriber(ckpt.tensors).sync(goal.version, progress=progress)
+            ckpt.flush()
+            fsync_files(stage)
+            _write_state(stage, goal)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            end(self.dest)
+            raise
+        log.info(
+            "%s: version %d has another tensor table: new files built", self.dest, goal.version
+        )
+        commit_switch(self.dest, recorded, goal.version)
+        self._reopen = True
+        self._open()  # finishes the switch; a later pull does if this fails
+        if self._sub is None or self._state is None:  # pragma: no cover - the switch wrote both
+            raise CheckpointError(f"{self.dest}: the switch to version {goal.version} failed")
+        self._sub._hold(self._state.version, self._state.state_digest, self._state.adler32)
+        self._checked = True
+        return dataclasses.replace(
+            report, from_version=recorded, total_s=time.perf_counter() - t_start
         )
 
     def _recorded(
@@ -332,7 +324,7 @@ class FolderSync:
         """Run ``sync`` between the pending marker's creation and removal; each version it
         applies is flushed, then recorded in the sidecar. The marker stays when recording
         failed (the files may then be ahead of the sidecar)."""
-        _begin(self.dest, recorded, target)
+        begin(self.dest, recorded, target)
         unrecorded = False
 
         def record(m: Manifest) -> None:
@@ -340,15 +332,18 @@ class FolderSync:
             unrecorded = True
             ckpt.flush()
             _write_state(self.dest, m)
+            self._state = FolderState(
+                m.version, m.state_digest, {n: e.adler32 for n, e in m.tensors.items()}
+            )
             unrecorded = False
 
         try:
             report = sync(record)
         except BaseException:
             if not unrecorded:  # the subscriber left the files at the recorded version
-                _end(self.dest)
+                end(self.dest)
             raise
-        _end(self.dest)
+        end(self.dest)
         return report
 
     def _create(self, version: int | None, progress: ProgressFn | None) -> SyncReport:
@@ -368,7 +363,7 @@ class FolderSync:
                     child.unlink()
         try:
             self.dest.mkdir(parents=True, exist_ok=True)
-            _begin(self.dest, None, target)
+            begin(self.dest, None, target)
             ckpt = MappedCheckpoint(create_checkpoint(self.dest, table), writable=True)
         except BaseException:
             self._remove_created(existed)
@@ -383,7 +378,8 @@ class FolderSync:
                 self._remove_created(existed)  # nothing usable was written: leave no debris
             raise
         finally:
-            if read_state(self.dest) is not None:  # at least one version was recorded
+            self._state = read_state(self.dest)
+            if self._state is not None:  # at least one version was recorded
                 self._ckpt, self._sub, self._checked = ckpt, sub, True
 
     def _remove_created(self, existed: bool) -> None:
@@ -391,7 +387,10 @@ class FolderSync:
             return
         if existed:
             for child in self.dest.iterdir():
-                child.unlink()
+                if child.is_dir():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
         else:
             shutil.rmtree(self.dest, ignore_errors=True)
 
@@ -421,7 +420,9 @@ class FolderSync:
             and out[-1].version > recorded
         ):
             with contextlib.suppress(ManifestNotFoundError):
-                out.append(probe.manifest(recorded))
+                m = probe.manifest(recorded)
+                if table_of_manifest(m) == table_of_manifest(goal):  # else: rebuilt
+                    out.append(m)
         return out
 
     def _repair_to(
@@ -459,7 +460,7 @@ class FolderSync:
             ]
             (found.setdefault(max(at), []) if at else rebuilt).append(name)
         if not (self.dest / PENDING).exists():
-            _begin(self.dest, recorded, target)
+            begin(self.dest, recorded, target)
         groups: list[tuple[list[str], int | None]] = [
             (names, v) for v, names in sorted(found.items()) if v != target
         ]
@@ -483,8 +484,11 @@ class FolderSync:
         # the state is recorded, so nothing can fail once the folder is repaired)
         held = [probe.manifest(v).tensors[n] for names, r in runs for v in r.applied for n in names]
         _write_state(self.dest, goal)
-        _end(self.dest)
+        end(self.dest)
         self._ckpt, self._sub, self._checked = ckpt, sub, True
+        self._state = FolderState(
+            target, goal.state_digest, {n: e.adler32 for n, e in goal.tensors.items()}
+        )
         self.last_repair = FolderRepair(
             recorded,
             target,

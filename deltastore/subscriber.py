@@ -26,20 +26,29 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from deltastore._chain import Held, plan
 from deltastore._group import Group
 from deltastore._layout_sync import LayoutSync
 from deltastore._pipeline import Fetcher, Timer
 from deltastore._ratios import SizeRatios
-from deltastore._tables import check_contents, check_table, raise_if_mismatched
-from deltastore._words import compact, gather, gather_range, signed, write_all
+from deltastore._stage import Staged, check_frames, stage_frame
+from deltastore._tables import (
+    Table,
+    check_contents,
+    check_table,
+    delta_changes_table,
+    raise_if_mismatched,
+    table_changed,
+    table_of_manifest,
+)
 from deltastore._words import scatter as _scatter  # a module global: tests patch it
-from deltastore.checksum import adler32, apply_delta, combine, delta_sums, shift_to_outer
-from deltastore.codecs import RAW, XOR_SPARSE, FrameDecoder, compress_bound, sparse_bound
-from deltastore.dtypes import dtype_from_name, flat_words, itemsize, word_dtype
+from deltastore._words import signed, write_all
+from deltastore.checksum import adler32, apply_delta, combine
+from deltastore.codecs import FrameDecoder
+from deltastore.dtypes import dtype_from_name, dtype_name, flat_words, itemsize, word_dtype
 from deltastore.errors import (
     ChainError,
     DeltastoreError,
-    FrameError,
     IntegrityError,
     ManifestError,
     ManifestNotFoundError,
@@ -92,21 +101,6 @@ class SyncReport(SizeRatios):
     total_s: float
 
 
-@dataclass
-class _Staged:
-    """Changes of one frame: frame-relative positions (as compact gaps), old and new words,
-    Adler-32 sums."""
-
-    name: str
-    start: int
-    positions: np.ndarray
-    old: np.ndarray
-    new: np.ndarray
-    da: int
-    db: int
-    frame_adler: int
-
-
 class Subscriber:
     """Keeps ``tensors`` at a committed version of the store at ``url``.
 
@@ -114,6 +108,15 @@ class Subscriber:
     manifest (Adler-32 of every tensor) before the first delta is applied. ``tensors`` alone:
     preallocated buffers of unknown content, filled from the newest anchor by the first sync.
     Neither: the first sync allocates tensors on ``device`` from the newest anchor.
+
+    A version that changes the tensor table (a tensor added, removed, reshaped or retyped; an
+    anchor) is followed by a subscriber that allocated its tensors: it allocates new ones
+    (:attr:`tensors` is then a new mapping). Tensors the caller handed over are never
+    reallocated: :meth:`sync` raises :class:`~deltastore.errors.TableChangedError` before
+    fetching anything. When the state the tensors hold does not fit the store's chain (the
+    store holds another state of their version, or the target does not descend from it),
+    :meth:`sync` goes back to the newest anchor at or below the target, logs a warning, and
+    applies it in place (verified before writing, like any version).
 
     ``layout``: the tensors are the engine's local tensors, holding boxes of the global ones as
     the :class:`~deltastore.layout.Layout` says (TP shards, fused, stacked, renamed); changes
@@ -157,6 +160,8 @@ class Subscriber:
         self._verified = version is None
         self._digest: str | None = None
         self._adler: dict[str, int] = {}
+        self._table: Table | None = None  # the table of the version the tensors are at
+        self._owned = tensors is None  # allocated here: reallocated when the table changes
         self._device = torch.device(device)
         self._max_frame_bytes = max_frame_bytes
         self._frames = Fetcher(self.store, max_workers, max_inflight_bytes)
@@ -284,8 +289,11 @@ class Subscriber:
         """Bring the tensors to ``version`` (default: the newest committed one).
 
         Applies the chain of versions from the current one (or from the newest anchor at or
-        below the target) in order; each version is applied whole or not at all. On error the
-        tensors stay at the last version fully applied, and :attr:`version` says which.
+        below the target, also when the current state does not fit the store's chain) in
+        order; each version is applied whole or not at all. On error the tensors stay at the
+        last version fully applied, and :attr:`version` says which. A change of the tensor
+        table raises :class:`~deltastore.errors.TableChangedError` first when the tensors are
+        the caller's.
         ``progress`` is called (from worker threads, serialized) after each frame, in stored
         bytes; ``on_version`` after each version is applied, with its manifest, before the
         next one starts (e.g. to record the state durably).
@@ -305,6 +313,7 @@ class Subscriber:
                 f"the tensors are at version {start}, newer than the requested {target}"
             )
         steps = self._plan(target)
+        self._check_tables(steps)
         timer = Timer(
             progress,
             sum(len(t.frames) for m in steps for t in m.tensors.values()),
@@ -338,45 +347,71 @@ class Subscriber:
         )
 
     def _plan(self, target: int) -> list[Manifest]:
-        """Versions to apply, oldest first: back along parents to the current version or to
-        the first anchor met."""
-        steps: list[Manifest] = []
-        m = self.manifest(target)
-        while m.version != self._version:
-            steps.append(m)
-            if m.kind == "anchor":
-                break
-            if m.parent is None:  # pragma: no cover - a delta always has a parent (validated)
-                raise ManifestError(f"delta {m.version} has no parent")
-            if self._version is not None and m.parent.version < self._version:
-                raise ChainError(
-                    f"version {target} does not descend from the local version {self._version} "
-                    f"(the chain goes {m.version} -> {m.parent.version}); re-sync from an anchor "
-                    "with a fresh Subscriber"
-                )
-            parent = m.parent.version
-            try:
-                m = self.manifest(parent)
-            except ManifestNotFoundError:
-                raise ChainError(
-                    f"version {parent}, parent of {m.version}, is missing from the store; "
-                    "no anchor below it could be reached"
-                ) from None
-        steps.reverse()
+        """Versions to apply, oldest first (see :func:`deltastore._chain.plan`)."""
+        held = (
+            None
+            if self._version is None or self._digest is None
+            else Held(self._version, self._digest, self._adler)
+        )
+        steps, why = plan(self.store.url, target, held, self.manifest, self._forget)
+        if why is not None:
+            log.warning(
+                "store %s: %s; recovering from anchor %d, the newest at or below %d",
+                self.store.url,
+                why,
+                steps[0].version,
+                target,
+            )
         return steps
+
+    def _forget(self, version: int | None) -> None:
+        """Drop a cached manifest that is not the store's any more (a publisher race), or
+        every cached one (None)."""
+        if version is None:
+            self._manifests.clear()
+        else:
+            self._manifests.pop(version, None)
+
+    def _check_tables(self, steps: list[Manifest]) -> None:
+        """Before anything is fetched: a change of the tensor table along ``steps`` needs an
+        anchor, and tensors this subscriber may reallocate."""
+        table, held = self._table, self._version
+        for m in steps:
+            new = table_of_manifest(m)
+            if table is not None and new != table:
+                if m.kind == "delta":
+                    raise delta_changes_table(table, m, held)
+                if not self._owned:
+                    raise table_changed(table, m, held)
+            table, held = new, m.version
+
+    def _hold(self, version: int, digest: str, adler: dict[str, int]) -> None:
+        """Take the tensors as being at the state ``digest`` of ``version`` with per-tensor
+        Adler-32 ``adler``, as checked by the caller (a folder, against its sidecar); the
+        store's manifest of ``version`` may hold another state."""
+        if self._tensors is None or self._layout is not None:
+            raise ValueError("_hold needs tensors and no layout")
+        self._version, self._digest, self._adler = version, digest, dict(adler)
+        self._table = {
+            n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in self._tensors.items() if n in adler
+        }
+        self._verified = True
 
     def _set_state(self, m: Manifest) -> None:
         self._version, self._digest = m.version, m.state_digest
         self._adler = {n: e.adler32 for n, e in m.tensors.items()}
+        self._table = table_of_manifest(m)
 
     def _apply(self, m: Manifest, timer: Timer) -> tuple[float, float]:
         """Apply one version; return (verify seconds, pause seconds)."""
-        self._check_frames(m)
+        check_frames(m, self._max_frame_bytes)
         fresh = self._tensors is None or self._version is None
+        # a new table (an anchor; only tensors allocated here get so far): new tensors
+        realloc = not fresh and self._table is not None and table_of_manifest(m) != self._table
         if self._layout is not None:
-            return self._apply_layout(m, timer, fresh or set(m.tensors) != set(self._adler))
-        if self._tensors is None or self._version is None:
-            return self._bootstrap(m, timer), 0.0
+            return self._apply_layout(m, timer, fresh=fresh, realloc=realloc)
+        if self._tensors is None or fresh or realloc:
+            return self._bootstrap(m, timer, allocate=self._tensors is None or realloc), 0.0
         check_table(self._tensors, m, exact=False)
         self._check_parent(m)
         tasks = [(name, entry, f) for name, entry in m.tensors.items() for f in entry.frames]
@@ -431,97 +466,42 @@ class Subscriber:
                 f"{self._version} with another state; sync from an anchor instead"
             )
 
-    def _apply_layout(self, m: Manifest, timer: Timer, fresh: bool) -> tuple[float, float]:
+    def _apply_layout(
+        self, m: Manifest, timer: Timer, *, fresh: bool, realloc: bool
+    ) -> tuple[float, float]:
+        """Apply ``m`` through the layout: staged against the known state; ``fresh``: written
+        in place, state unknown; ``realloc``: into new tensors (kept only if all verified)."""
         if self._layout is None:  # pragma: no cover - checked by the caller
             raise ChainError("no layout")
-        if not fresh:
+        if not fresh and not realloc:
             self._check_parent(m)
-        self._tensors = self._layout.bind(m, self._tensors, self._device)
+        tensors = self._layout.bind(m, None if realloc else self._tensors, self._device)
+        if not realloc:  # new tensors replace the held ones only once verified
+            self._tensors = tensors
+        direct = fresh or realloc
         try:
             out = self._layout.apply(
-                self._frames, m, self._tensors, None if fresh else self._adler, timer, self._hooks
+                self._frames, m, tensors, None if direct else self._adler, timer, self._hooks
             )
         except BaseException:
             if fresh:  # written in place before the check: no known version any more
                 self._version = self._digest = None
             raise
+        self._tensors = tensors
         self._set_state(m)
         return out
-
-    def _check_frames(self, m: Manifest) -> None:
-        for name, entry in m.tensors.items():
-            size = itemsize(entry.dtype)
-            for f in entry.frames:
-                nbytes = (f.stop - f.start) * size
-                if nbytes > self._max_frame_bytes:
-                    raise FrameError(
-                        f"version {m.version}: a frame of {name} covers {nbytes} bytes, "
-                        f"over max_frame_bytes={self._max_frame_bytes}"
-                    )
-                content = sparse_bound(f.stop - f.start, size) if f.codec == XOR_SPARSE else nbytes
-                if f.length > compress_bound(content):
-                    raise FrameError(
-                        f"version {m.version}: a frame of {name} claims {f.length} stored bytes, "
-                        f"more than zstd can produce from {content} bytes; the manifest is damaged"
-                    )
 
     # --- pipeline -----------------------------------------------------------------------
 
     def _stage(
-        self,
-        name: str,
-        entry: TensorEntry,
-        f: Frame,
-        data: bytes,
-        dec: FrameDecoder,
-        delta: bool,
-    ) -> _Staged:
+        self, name: str, entry: TensorEntry, f: Frame, data: bytes, dec: FrameDecoder, delta: bool
+    ) -> Staged:
         """Turn one fetched frame into changes against the local tensor (reads only)."""
         if self._tensors is None:  # pragma: no cover - guarded by _apply
             raise ChainError("no tensors")
-        local = flat_words(self._tensors[name])
-        size = itemsize(entry.dtype)
-        n = f.stop - f.start
-        wdt = word_dtype(size)
-        if f.codec == XOR_SPARSE:
-            pos, masks = dec.sparse(data, n, size, f.changed)
-            old = gather(local, pos + f.start, wdt)
-            new = old ^ masks
-            if f.parent_adler32 is None:
-                raise ManifestError(f"{name}: xor-sparse frame without parent_adler32")
-            sums = delta_sums(pos, old, new, n * size)
-            frame_adler = apply_delta(f.parent_adler32, *sums)
-        else:
-            parts_pos, parts_old, parts_new = [], [], []
-            frame_adler = 1
-            for first, words in dec.chunks(data, n, size):
-                cur = gather_range(local, f.start + first, words.size, wdt)
-                if f.codec == RAW:
-                    new_chunk, mask = words, words ^ cur
-                else:
-                    new_chunk, mask = words ^ cur, words
-                frame_adler = adler32(new_chunk, frame_adler)
-                idx = dec.nonzero(mask)
-                parts_pos.append(idx + first)
-                parts_old.append(cur[idx])
-                parts_new.append(new_chunk[idx])
-            pos, old, new = (np.concatenate(p) for p in (parts_pos, parts_old, parts_new))
-            sums = delta_sums(pos, old, new, n * size)
-            if delta and pos.size != f.changed:  # an anchor may land on any older state
-                raise FrameError(
-                    f"{name}[{f.start}:{f.stop}]: frame changes {pos.size} elements, "
-                    f"the manifest says {f.changed}"
-                )
-        if frame_adler != f.adler32:
-            raise IntegrityError(
-                f"{name}[{f.start}:{f.stop}]: decoded frame has Adler-32 {frame_adler:08x}, "
-                f"the manifest says {f.adler32:08x}; the tensors are not at the frame's parent "
-                "or the frame is damaged"
-            )
-        da, db = shift_to_outer(*sums, n * size, f.start * size, entry.nbytes)
-        return _Staged(name, f.start, compact(pos), old, new, da, db, frame_adler)
+        return stage_frame(flat_words(self._tensors[name]), name, entry, f, data, dec, delta)
 
-    def _scatter(self, staged: list[_Staged]) -> None:
+    def _scatter(self, staged: list[Staged]) -> None:
         """Write the staged changes; on any error restore the old words and re-raise."""
         if self._tensors is None:  # pragma: no cover - guarded by _apply
             return
@@ -535,11 +515,12 @@ class Subscriber:
             _scatter,
         )
 
-    def _bootstrap(self, m: Manifest, timer: Timer) -> float:
-        """Fill tensors from an anchor: into new tensors, or into handed-over buffers."""
+    def _bootstrap(self, m: Manifest, timer: Timer, *, allocate: bool) -> float:
+        """Fill tensors from an anchor: into new tensors (``allocate``; they replace the held
+        ones only once verified), or into handed-over buffers."""
         if m.kind != "anchor":  # pragma: no cover - _plan only starts fresh state at anchors
             raise ChainError(f"version {m.version} is not an anchor")
-        if self._tensors is not None:
+        if self._tensors is not None and not allocate:
             check_table(self._tensors, m, exact=False)
             target = self._tensors
         else:

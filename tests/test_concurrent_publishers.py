@@ -163,10 +163,13 @@ def test_zombie_publisher_commits_nothing(
     assert zombie.pub.publish(va, version=b_version + 1).parent == b_version
 
 
-def test_the_remaining_window_forks_but_latest_stays(tmp_path: Path) -> None:
+def test_the_remaining_window_forks_but_latest_stays(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A commit between the zombie's head check and its manifest create is not seen: both
     versions are committed on parent 5 (a fork, as docs/guide.md says), LATEST stays at the
-    newer one and subscribers follow it; one holding the side branch gets a ChainError."""
+    newer one and subscribers follow it; one holding the side branch goes back to the newest
+    anchor (with a warning) and follows it too."""
     zombie = Zombie(tmp_path, at="put_if_absent")  # paused after its head check
     va, vb = nudge(zombie.v5, 1), nudge(zombie.v5, 2)
     zombie.start(va, 7)
@@ -179,6 +182,7 @@ def test_the_remaining_window_forks_but_latest_stays(tmp_path: Path) -> None:
     assert check_store(tmp_path, {5: zombie.v5, 7: va, 8: vb}) == 8
     side = {n: t.clone() for n, t in va.items()}
     sub = Subscriber(tmp_path, tensors=side, version=7)
-    with pytest.raises(ChainError):
-        sub.sync()
-    assert same_bits(va, side)  # untouched
+    with caplog.at_level("WARNING", logger="deltastore"):
+        assert sub.sync().version == 8
+    assert "descends from 5, not from the held version 7" in caplog.text
+    assert same_bits(vb, side)  # rebuilt in place from the anchor

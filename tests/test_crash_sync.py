@@ -42,8 +42,10 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from deltastore import Publisher
+from deltastore._folder_state import STAGING
 from deltastore.checkpoint import CheckpointError, MappedCheckpoint, locate
 from deltastore.folders import PENDING, SIDECAR, FolderSync, pull_checkpoint, read_state
+from deltastore.fsck import verify_checkout
 
 ROOT = Path(__file__).parent.parent
 Tensors = dict[str, torch.Tensor]
@@ -253,6 +255,15 @@ def install(point: str, n: int) -> None:
             replace(src, dst, **kw)
 
         os.replace = rename  # type: ignore[assignment]
+    elif point == "switch":  # a new table's files are complete; the n-th move into the folder
+        replace = os.replace
+
+        def move(src: Any, dst: Any, **kw: Any) -> None:
+            replace(src, dst, **kw)
+            if Path(src).parent.name == STAGING != Path(dst).parent.name and hit():
+                die()
+
+        os.replace = move  # type: ignore[assignment]
     elif point == "create":  # the marker exists, the first file is half created
         write_empty = checkpoint._write_empty
 
@@ -559,3 +570,70 @@ def test_a_repair_never_goes_back(crash: Crash) -> None:
     assert (dest / "model.safetensors").read_bytes() == before
     FolderSync(str(crash.store), dest).pull(3)
     assert_folder_at(dest, crash.states, 3)
+
+
+# --- a pull to another tensor table, killed -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def table_change(
+    states: list[Tensors], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list[Tensors], Path]:
+    """A store whose v1-v3 are the module's, v4 an anchor with another table (a tensor
+    dropped, one added, one reshaped) and v5 a delta on it; and a pristine folder at v3."""
+    g = torch.Generator().manual_seed(3)
+    new = {n: t.clone() for n, t in states[3].items() if n != "model.layers.1.mlp.down_proj.weight"}
+    new["model.extra.weight"] = torch.randn(32, 64, generator=g).to(torch.bfloat16)
+    new["model.norm.weight"] = torch.randn(128, generator=g).to(torch.bfloat16)
+    later = {n: t.clone() for n, t in new.items()}
+    later["model.extra.weight"].view(torch.int16)[::7] ^= 1
+    tstates = [*states[:4], new, later]
+    base = tmp_path_factory.mktemp("table")
+    pub = Publisher(base / "store", max_frame_bytes=FRAME_BYTES)
+    for v in range(1, 6):
+        assert pub.publish(tstates[v], version=v).kind == ("delta" if v in (2, 3, 5) else "anchor")
+    pull_checkpoint(str(base / "store"), base / "v3", version=3)
+    return base / "store", tstates, base / "v3"
+
+
+@pytest.mark.parametrize(
+    ("point", "n", "committed"),
+    [
+        ("decode", 3, False),  # the new files are being filled beside the old ones
+        ("record", 1, False),  # filled and flushed, their sidecar not written
+        ("rename", 1, False),  # their sidecar's temp file written, not renamed
+        ("switch", 1, True),  # the new file moved into the folder, not the sidecar
+        ("switch", 2, True),  # the sidecar moved too; the marker and staging folder remain
+    ],
+)
+def test_table_change_killed(
+    killer: Callable[..., int],
+    table_change: tuple[Path, list[Tensors], Path],
+    tmp_path: Path,
+    point: str,
+    n: int,
+    committed: bool,
+) -> None:
+    """A folder at v3 pulling v5 (another tensor table: the new files are built beside the
+    old ones, then switched), killed at ``point``. Before the switch is committed the folder is
+    still a valid, loadable v3; after it, the next pull finishes the switch. Either way the
+    next pull ends at v5 with exactly v5's tensors and nothing else."""
+    store, tstates, pristine = table_change
+    dest = Path(shutil.copytree(pristine, tmp_path / "dest"))
+    assert killer(store, dest, 5, point, n) == KILLED, f"{point} #{n}"
+    covered[f"table {point}"] += 1
+    assert (dest / PENDING).exists() and (dest / STAGING).exists()
+    if not committed:  # untouched: loadable by safetensors and clean, at v3
+        got = load_folder(dest)
+        assert set(got) == set(tstates[3])
+        for name, t in tstates[3].items():
+            assert np.array_equal(bits(got[name]), bits(t)), name
+        state = read_state(dest)
+        assert state is not None and state.version == 3
+        assert verify_checkout(dest, store).ok
+    folder = FolderSync(str(store), dest)
+    report = folder.pull(5)
+    assert report.version == 5 and folder.last_repair is None
+    assert_folder_at(dest, tstates, 5)
+    assert sorted(p.name for p in dest.iterdir()) == sorted([SIDECAR, "model.safetensors"])
+    assert verify_checkout(dest, store).ok

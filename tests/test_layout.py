@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,6 @@ from deltastore import (
     LayoutError,
     Publisher,
     Subscriber,
-    WrongParentError,
     fuse,
     shard,
     stack,
@@ -241,8 +241,11 @@ def test_wrong_parent_and_damaged_replica_are_refused(tmp_path: Path) -> None:
     assert all(torch.equal(before[n], t.view(torch.int16)) for n, t in sub.tensors.items())
 
 
-def test_delta_on_another_parent_is_refused(tmp_path: Path) -> None:
-    """The store was rewritten under a receiver: its version 1 is not the receiver's."""
+def test_delta_on_another_parent_recovers_from_the_anchor(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store was rewritten under a receiver: its version 1 is not the receiver's. The
+    receiver goes back to the anchor v0 (a warning says why) and reaches the new v2."""
     v0 = model(0)
     pub = Publisher(tmp_path, max_frame_bytes=512)
     pub.publish(v0, version=0)
@@ -256,10 +259,13 @@ def test_delta_on_another_parent_is_refused(tmp_path: Path) -> None:
     other = step(v0, 7)
     redo.publish(other, version=1)
     redo.publish(step(other, 8), version=2)
-    before = bits(sub.tensors)
-    with pytest.raises(WrongParentError, match="another state"):
-        sub.sync()
-    assert all(torch.equal(before[n], t.view(torch.int16)) for n, t in sub.tensors.items())
+    with caplog.at_level(logging.WARNING, logger="deltastore"):
+        assert sub.sync().applied == (0, 1, 2)
+    assert "another state of version 1" in caplog.text
+    assert all(
+        torch.equal(sub.tensors[n].view(torch.int16), t.view(torch.int16))
+        for n, t in expected(step(other, 8)).items()
+    )
 
 
 def test_fresh_bootstrap_from_a_damaged_anchor_leaves_no_version(tmp_path: Path) -> None:
