@@ -13,8 +13,10 @@ from deltastore._version import __version__
 from deltastore.errors import (
     ChainError,
     DeltastoreError,
+    ForkError,
     ManifestError,
     ObjectNotFoundError,
+    PreconditionsIgnoredError,
     StoreError,
     VersionExistsError,
     VersionOrderError,
@@ -115,6 +117,39 @@ def _is_ours(store: Store, key: str, body: bytes) -> bool:
         return False
 
 
+def conditional_writes(store: Store, *, unsafe_commits: bool) -> bool:
+    """Before any upload: whether ``store`` enforces create-if-absent (True), or ignores it
+    and ``unsafe_commits`` (the writer's or the store's) accepts that (False: the commit must
+    then be read back, see :func:`confirm_commit`). :class:`PreconditionsIgnoredError` when
+    it ignores it and nothing accepts the risk."""
+    try:
+        return store.check_conditional_writes()
+    except PreconditionsIgnoredError:
+        if not unsafe_commits:
+            raise
+        return False
+
+
+def confirm_commit(store: Store, version: int, body: bytes) -> None:
+    """On a store that ignores preconditions: read the manifest of ``version`` back and raise
+    :class:`ForkError` unless it holds exactly ``body`` (this writer's bytes: its random token
+    and timestamp make them unique). Another publisher that wrote the same version meanwhile
+    overwrote it, and readers may hold either manifest: the chain has forked."""
+    key = manifest_key(version)
+    try:
+        ours = store.get(key) == body
+    except ObjectNotFoundError:
+        ours = False
+    if not ours:
+        raise ForkError(
+            f"version {version} in store {store.url} is not this publisher's: another "
+            "publisher wrote the same version at the same time (the store ignores "
+            "conditional-write preconditions, and --unsafe-commits / unsafe_commits=True "
+            "allows one publisher only). Stop the other publisher, check the store with "
+            "`deltastore verify`, then publish a higher version as an anchor"
+        )
+
+
 def check_head(store: Store, version: int, parent: Parent | None) -> None:
     """Right before the commit: raise unless ``version`` would still extend the chain's head.
 
@@ -179,5 +214,7 @@ __all__ = [
     "check_head",
     "check_version_number",
     "commit_manifest",
+    "conditional_writes",
+    "confirm_commit",
     "head_version",
 ]

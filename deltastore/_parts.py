@@ -16,7 +16,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from deltastore._commit import advance_latest, check_version_number, commit_manifest, head_version
+from deltastore._commit import (
+    advance_latest,
+    check_version_number,
+    commit_manifest,
+    conditional_writes,
+    confirm_commit,
+    head_version,
+)
 from deltastore._snapshot import row_range
 from deltastore.checksum import combine
 from deltastore.dtypes import itemsize
@@ -211,6 +218,7 @@ def commit_parts(
     poll_s: float = 0.05,
     storage_options: dict[str, Any] | None = None,
     signing_key: KeyOption = FROM_ENV,
+    unsafe_commits: bool = False,
 ) -> Manifest:
     """Commit ``version`` from the parts of writers ``0 .. world - 1``; returns its manifest.
 
@@ -227,13 +235,16 @@ def commit_parts(
     writers' snapshots started from), :class:`VersionOrderError`. :class:`VersionExistsError`
     when ``version`` is committed already (nothing is aborted then). ``signing_key`` signs
     the manifest (default: ``DELTASTORE_SIGNING_KEY`` if set; None: unsigned).
+    ``unsafe_commits``: commit on a store whose service ignores preconditions (refused with
+    :class:`PreconditionsIgnoredError` otherwise; one committer only): the manifest is read
+    back and :class:`ForkError` raised when it is not this commit's.
     """
     check_version_number(version)
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive integer, got {world!r}")
     keys = resolve_keys(signing_key)
     store = open_store(url, storage_options)
-    store.check_conditional_writes()
+    enforced = conditional_writes(store, unsafe_commits=unsafe_commits)
     _check_open(store, version)
     try:
         parts = _wait_for_parts(store, version, world, timeout_s, poll_s)
@@ -259,7 +270,11 @@ def commit_parts(
     except DeltastoreError as exc:
         _abort(store, version, exc)
         raise
+    if not enforced:  # nothing stopped a second committer: read back, before and after
+        confirm_commit(store, version, body)
     advance_latest(store, version, body)
+    if not enforced:
+        confirm_commit(store, version, body)
     for rank in range(world):
         try:
             store.delete(part_key(version, rank, world))

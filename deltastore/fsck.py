@@ -138,8 +138,14 @@ class VerifyReport:
     kinds: dict[str, int] = field(default_factory=dict)
 
     @property
+    def empty(self) -> bool:
+        """A store check that found no version at all: nothing was verified."""
+        return self.mode != "checkout" and not self.versions and not self.problems
+
+    @property
     def ok(self) -> bool:
-        return not self.problems
+        """No problem found, and (for a store) at least one version checked."""
+        return not self.problems and not self.empty
 
     def summary(self) -> str:
         what = "folder" if self.mode == "checkout" else "store"
@@ -160,12 +166,18 @@ class VerifyReport:
         count = f"{len(self.problems)} problem{'s' if len(self.problems) > 1 else ''}"
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.kinds.items()))
         verdict = "ok" if self.ok else f"{count} ({kinds})"
+        if self.empty:
+            verdict = (
+                "holds no committed version, nothing verified (check the store URL; "
+                "publish a version first)"
+            )
         return f"{what} {self.target}: {', '.join(parts)}: {verdict}"
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["versions"] = list(self.versions)
         out["ok"] = self.ok
+        out["empty"] = self.empty
         return out
 
 
@@ -210,7 +222,9 @@ def verify_store(
     """Check every committed version of the store at ``url`` (see the module docstring).
 
     ``progress`` is called after each frame read (from worker threads, serialized), in stored
-    bytes. Store I/O errors other than a missing object are raised (:class:`StoreError`).
+    bytes. Store I/O errors other than a missing object are raised (:class:`StoreError`;
+    :class:`BucketNotFoundError` for a bucket that does not exist). A store without any
+    version gives a report that is not ``ok`` (``empty``): nothing could be verified.
     """
     t0 = time.perf_counter()
     store = open_store(url, storage_options)
@@ -297,7 +311,8 @@ def _check_latest(
             LATEST,
             hint.version,
             LATEST_KEY,
-            f"names version {hint.version} with another SHA-256 than its manifest's",
+            f"names version {hint.version} with another SHA-256 than its manifest's "
+            "(possible fork: two publishers may have committed this version)",
         )
 
 

@@ -29,6 +29,8 @@ from deltastore._commit import (
     check_head,
     check_version_number,
     commit_manifest,
+    conditional_writes,
+    confirm_commit,
     head_version,
 )
 from deltastore._encode import FrameEncoders, FrameJob
@@ -174,6 +176,7 @@ class _ChainWriter:
         zstd_level: int = 1,
         max_workers: int = 2,
         signing_key: KeyOption = FROM_ENV,
+        unsafe_commits: bool = False,
     ) -> None:
         if snapshot not in ("memory", "disk") or (snapshot == "disk") != (state_dir is not None):
             raise ValueError("snapshot must be 'memory', or 'disk' together with state_dir")
@@ -184,6 +187,7 @@ class _ChainWriter:
                 f"max_frame_bytes must be in [8, {MAX_FRAME_BYTES}] and max_object_bytes >= 1"
             )
         self.store = open_store(url, storage_options)
+        self.unsafe_commits = unsafe_commits
         self.token = uuid.uuid4().hex
         self._signing = resolve_keys(signing_key)  # signs with the first; attach checks any
         self._max_frame_bytes = max_frame_bytes
@@ -417,7 +421,11 @@ class Publisher(_ChainWriter):
     default 64 MiB), ``zstd_level`` (default 1), ``max_workers`` (threads that detect and
     encode frames, default 2), ``signing_key`` (a
     :class:`~deltastore.signing.SigningKey` that signs every manifest, and that :meth:`attach`
-    requires on the head manifest; default: ``DELTASTORE_SIGNING_KEY`` if set; None: unsigned).
+    requires on the head manifest; default: ``DELTASTORE_SIGNING_KEY`` if set; None: unsigned),
+    ``unsafe_commits`` (publish to a store whose service ignores create-if-absent
+    preconditions, which is refused otherwise: only one publisher may then write to the
+    store; each commit is read back and :class:`ForkError` raised when the manifest is not
+    this publisher's; a no-op on stores that enforce them).
     """
 
     def attach(self, tensors: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
@@ -454,11 +462,15 @@ class Publisher(_ChainWriter):
         modified during the call. Raises
         :class:`VersionOrderError` for a version not above the chain head and
         :class:`VersionExistsError` when another writer committed ``version`` first;
-        :class:`ChainError` when another writer committed a version on its parent meanwhile.
+        :class:`ChainError` when another writer committed a version on its parent meanwhile;
+        :class:`PreconditionsIgnoredError` (before any upload) on a store that ignores
+        preconditions, without ``unsafe_commits``; :class:`ForkError` when, with it, the
+        committed manifest read back is another publisher's.
         """
         t_start = time.perf_counter()
         self._check_version(version, anchor=bool(anchor))
-        self.store.check_conditional_writes()  # before any upload: refuse unsafe commits
+        # before any upload: refuse unsafe commits unless accepted
+        enforced = conditional_writes(self.store, unsafe_commits=self.unsafe_commits)
         table = {n: table_entry(n, t.dtype, t.shape) for n, t in tensors.items()}
         state = self._held.tensors
         same_table = state is not None and table == {
@@ -485,7 +497,11 @@ class Publisher(_ChainWriter):
             token=self.token,
             signing_key=self._signing[0] if self._signing else None,
         )
+        if not enforced:  # nothing stopped a second publisher: read back, before and after
+            confirm_commit(self.store, version, body)
         self._advance_latest(version, body)
+        if not enforced:
+            confirm_commit(self.store, version, body)
         pending.upload_s += time.perf_counter() - t0
         self._adopt(manifest, host, pending, incremental=parent is not None)
         report = self._report(version, kind, parent, host, pending, t_start)

@@ -32,6 +32,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from deltastore._commit import conditional_writes
 from deltastore._parts import (
     Part,
     PartTensor,
@@ -122,7 +123,8 @@ class ShardWriter(_ChainWriter):
     """The writer of rank ``rank`` of ``world`` writers of a sharded trainer.
 
     Keyword options are :class:`~deltastore.Publisher`'s (``storage_options``, ``snapshot``,
-    ``state_dir``, ``max_frame_bytes``, ``max_object_bytes``, ``zstd_level``); a disk snapshot
+    ``state_dir``, ``max_frame_bytes``, ``max_object_bytes``, ``zstd_level``,
+    ``unsafe_commits``: pass it to :func:`commit_parts` too); a disk snapshot
     is adopted only by a writer of the same rank and world. Per version: :meth:`publish`, then
     :func:`commit_parts` in one process, then :meth:`finish`. Not thread-safe.
     """
@@ -166,7 +168,8 @@ class ShardWriter(_ChainWriter):
                 f"finish() it; call finish({inflight.part.version}) before publishing {version}"
             )
         self._check_version(version, anchor=bool(anchor))
-        self.store.check_conditional_writes()  # before any upload: refuse unsafe commits
+        # before any upload: refuse unsafe commits unless accepted
+        conditional_writes(self.store, unsafe_commits=self.unsafe_commits)
         specs: dict[str, tuple[str, list[int]]] = {}
         rows: dict[str, Rows] = {}
         for name, s in slices.items():

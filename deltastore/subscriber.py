@@ -223,7 +223,14 @@ class Subscriber:
             log.info("LATEST hint unusable (%s); listing manifests", exc)
             return None
         if hashlib.sha256(body).hexdigest() != hint.sha256:
-            log.warning("LATEST names version %d with another SHA-256; ignored", hint.version)
+            log.warning(
+                "possible fork: two publishers may have committed version %d of store %s "
+                "(LATEST names another SHA-256 than its manifest's); LATEST ignored: stop all "
+                "publishers but one and run `deltastore verify`",
+                hint.version,
+                self.store.url,
+            )
+            self._hint = (token, None)  # warned once for this LATEST
             return None
         if hint.version not in self._manifests:  # read anyway: spare sync() a second GET
             try:

@@ -7,6 +7,8 @@ conformance suite's race tests run here too.
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -189,16 +191,76 @@ def test_unreachable_service_is_bounded_by_the_retry_policy(container: str) -> N
         with pytest.raises(StoreError, match="after 3 attempts"):
             op()
         assert time.monotonic() - start < 5
+        store._failing_until = 0.0  # each operation on its own (see the next test)
 
 
-def test_missing_container_fails_fast(connection_string: str) -> None:
-    store = AzureStore(f"az://no-such-{uuid.uuid4().hex[:8]}/p", options(connection_string))
-    with pytest.raises(StoreError, match="ContainerNotFound"):
-        store.put("k", b"v")
-    with pytest.raises(StoreError, match="ContainerNotFound"):
-        store.get_with_token("LATEST")
-    with pytest.raises(StoreError, match="ContainerNotFound"):
-        store.put_if_absent("m/1.json", b"v")
+def test_after_a_give_up_the_next_operations_try_once(container: str) -> None:
+    """An operation that gave up on a dead endpoint makes the store's next operations within
+    the timeout fail after one attempt: a command's fallbacks do not multiply the wait."""
+    dead = free_port()
+    conn = (
+        f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
+        f"BlobEndpoint=http://127.0.0.1:{dead}/{AZURITE_ACCOUNT};"
+    )
+    retry = RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.05, total_seconds=5)
+    store = AzureStore(f"az://{container}/p", {"connection_string": conn}, retry=retry)
+    with pytest.raises(StoreError, match="after 3 attempts"):
+        store.get("k")
+    with pytest.raises(StoreError, match=r"after 1 attempt .*the previous operation gave up"):
+        store.list("manifests/")
+
+
+def test_missing_container_is_named_not_an_empty_store(connection_string: str) -> None:
+    from deltastore.errors import BucketNotFoundError
+
+    container = f"no-such-{uuid.uuid4().hex[:8]}"
+    store = AzureStore(f"az://{container}/p", options(connection_string))
+    for op in (
+        lambda: store.put("k", b"v"),
+        lambda: store.get("k"),
+        lambda: store.get_with_token("LATEST"),
+        lambda: store.head_token("LATEST"),
+        lambda: store.put_if_absent("m/1.json", b"v"),
+        lambda: store.list("manifests/"),
+        lambda: store.delete("k"),
+    ):
+        with pytest.raises(BucketNotFoundError, match=f"container '{container}' .* does not exist"):
+            op()
+
+
+def test_an_empty_container_is_an_empty_store(connection_string: str, container: str) -> None:
+    store = az_store(connection_string, container)
+    assert store.list() == [] and store.get_with_token("LATEST") is None
+
+
+def test_cli_credentials_as_documented(
+    connection_string: str, container: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection string works through ``-o`` and through ``AZURE_STORAGE_CONNECTION_STRING``
+    (``account_name``/``account_key`` build an https URL, which Azurite does not serve here)."""
+    import torch
+    from safetensors.torch import save_file
+    from typer.testing import CliRunner
+
+    from deltastore.cli import app
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(logging.root, "handlers", logging.root.handlers[:])  # the CLI sets its own
+    (tmp_path / "ckpt").mkdir()
+    save_file({"w": torch.arange(8.0)}, tmp_path / "ckpt" / "model.safetensors")
+    runner = CliRunner()
+    url = f"az://{container}/{uuid.uuid4().hex[:8]}"
+    option = ["-o", f"connection_string={connection_string}"]
+    published = runner.invoke(
+        app, ["publish", url, str(tmp_path / "ckpt"), "--version", "1", *option]
+    )
+    assert published.exit_code == 0, published.output
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string)
+    logged = runner.invoke(app, ["log", url, "--json"])
+    assert logged.exit_code == 0, logged.output
+    assert [v["version"] for v in json.loads(logged.stdout)] == [1]
+    missing = runner.invoke(app, ["log", f"az://no-such-{uuid.uuid4().hex[:8]}/p"])
+    assert missing.exit_code == 4 and "does not exist" in missing.stderr, missing.output
 
 
 def test_wrong_key_fails_fast(connection_string: str, container: str) -> None:

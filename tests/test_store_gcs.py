@@ -262,11 +262,28 @@ def test_permanent_errors_fail_fast(
     assert calls == ["POST"]  # not retried
 
 
-def test_missing_bucket_is_not_found(endpoint: str) -> None:
-    store = GCSStore(f"gs://no-such-bucket-{uuid.uuid4().hex[:8]}", options(endpoint))
+def test_missing_bucket_is_named_not_an_empty_store(endpoint: str) -> None:
+    from deltastore.errors import BucketNotFoundError
+
+    bucket = f"no-such-bucket-{uuid.uuid4().hex[:8]}"
+    store = GCSStore(f"gs://{bucket}/p", options(endpoint), unsafe_commits=True)
+    for op in (
+        lambda: store.get("k"),
+        lambda: store.list(),
+        lambda: store.list_after("manifests/", "manifests/1"),
+        lambda: store.head_token("LATEST"),
+        lambda: store.put("k", b"v"),
+        lambda: store.put_if_absent("m/1.json", b"v"),
+    ):
+        with pytest.raises(BucketNotFoundError, match=f"bucket '{bucket}' .* does not exist"):
+            op()
+
+
+def test_an_empty_bucket_is_an_empty_store(endpoint: str, bucket: str) -> None:
+    store = gcs_store(endpoint, bucket)
+    assert store.list() == [] and store.list_after("manifests/", "manifests/1") == []
     with pytest.raises(ObjectNotFoundError):
         store.get("k")
-    assert store.list() == []
 
 
 def test_transient_errors_are_retried(endpoint: str, bucket: str) -> None:

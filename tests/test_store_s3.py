@@ -123,3 +123,37 @@ def test_large_objects_go_multipart_and_failed_exclusive_uploads_are_aborted(
         region_name="us-east-1",
     )
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_timeouts_and_retries_are_deltastores(endpoint: str, bucket: str) -> None:
+    """botocore and s3fs retry nothing (RetryPolicy does); ``timeout`` caps the per-request
+    connect and read timeouts and replaces the policy's total."""
+    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError
+
+    store = S3Store(f"s3://{bucket}/t", {**CREDENTIALS, "endpoint_url": endpoint, "timeout": 2})
+    assert store.fs.retries == 1
+    config = store.fs.config_kwargs
+    assert config["retries"] == {"total_max_attempts": 1, "mode": "standard"}
+    assert (config["connect_timeout"], config["read_timeout"]) == (2, 2)
+    assert store.retry.total_seconds == 2
+    assert store.list() == []  # the client works with that config
+    default = s3_store(endpoint, bucket)
+    assert (default.fs.config_kwargs["connect_timeout"], default.retry.total_seconds) == (5, 120)
+    for exc in (
+        EndpointConnectionError(endpoint_url=endpoint),
+        ConnectTimeoutError(endpoint_url=endpoint),
+        ReadTimeoutError(endpoint_url=endpoint),
+    ):
+        assert store.transient(exc), exc
+
+
+def test_missing_bucket_is_named_without_an_extra_request(endpoint: str) -> None:
+    """``NoSuchBucket`` says it: no HeadBucket is needed to tell it from a missing key."""
+    from deltastore.errors import BucketNotFoundError
+
+    name = f"no-such-bucket-{uuid.uuid4().hex[:8]}"
+    store = S3Store(f"s3://{name}/p", {**CREDENTIALS, "endpoint_url": endpoint})
+    store._bucket_exists = lambda: pytest.fail("not needed")  # type: ignore[method-assign]
+    for op in (lambda: store.put("k", b"v"), lambda: store.get("k")):
+        with pytest.raises(BucketNotFoundError, match=f"bucket '{name}'"):
+            op()

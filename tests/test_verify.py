@@ -124,10 +124,12 @@ def test_a_healthy_store_passes_fast_and_deep(pristine: Path) -> None:
     assert as_json["ok"] is True and as_json["problems"] == [] and as_json["mode"] == "store"
 
 
-def test_an_empty_or_missing_store_has_nothing_wrong(tmp_path: Path) -> None:
+def test_an_empty_or_missing_store_is_not_ok(tmp_path: Path) -> None:
+    """Nothing wrong was found, but nothing was verified either: not "ok" (issue 11)."""
     report = verify_store(tmp_path / "nothing")
-    assert report.ok and report.versions == ()
-    assert cli("verify", tmp_path / "nothing").exit_code == 0
+    assert not report.ok and report.empty and report.problems == () and report.versions == ()
+    assert "holds no committed version" in report.summary()
+    assert cli("verify", tmp_path / "nothing").exit_code == common.EXIT_NOT_FOUND
 
 
 # --- damage -------------------------------------------------------------------------------

@@ -60,6 +60,17 @@ StorageOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+TimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--timeout",
+        min=0.001,
+        metavar="SECONDS",
+        help="Give up a store operation after this long, retries included (each retry is "
+        "logged on stderr).",
+        show_default="120 s",
+    ),
+]
 
 
 class Size(str, enum.Enum):
@@ -125,7 +136,17 @@ def publish(
     ] = None,
     max_frame_bytes: Annotated[int, typer.Option(help="Dense bytes per frame.")] = 16 << 20,
     zstd_level: Annotated[int, typer.Option(help="zstd compression level.")] = 1,
+    unsafe_commits: Annotated[
+        bool,
+        typer.Option(
+            "--unsafe-commits",
+            help="Publish even if the store ignores conditional writes (some S3-compatible "
+            "servers, emulators). RISK: only one publisher may ever write to the store; two "
+            "could both commit a version. Each commit is read back and a fork reported.",
+        ),
+    ] = False,
     storage_option: StorageOpt = None,
+    timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Publish checkpoint SRC as version N (a delta when a parent is known, else an anchor)."""
@@ -139,10 +160,11 @@ def publish(
             parent=parent,
             anchor=anchor,
             state_dir=state_dir,
-            storage_options=parse_storage_options(storage_option),
+            storage_options=parse_storage_options(storage_option, timeout=timeout),
             progress=progress,
             max_frame_bytes=max_frame_bytes,
             zstd_level=zstd_level,
+            unsafe_commits=unsafe_commits,
         )
     if json_out:
         print_json(_report_json(report))
@@ -191,13 +213,14 @@ def pull(
         float, typer.Option(min=0.05, help="Seconds between polls with --watch (±20% jitter).")
     ] = 5.0,
     storage_option: StorageOpt = None,
+    timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Bring folder DEST to a version: created from the newest anchor when empty, else
     updated in place. With --watch, follow the store until interrupted."""
     from deltastore.folders import pull_checkpoint, watch_checkpoint
 
-    options = parse_storage_options(storage_option)
+    options = parse_storage_options(storage_option, timeout=timeout)
     if watch:
         if version is not None:
             raise typer.BadParameter("--watch follows the newest version; drop --version")
@@ -235,6 +258,7 @@ def log_cmd(
     store: StoreArg,
     limit: Annotated[int | None, typer.Option(min=1, help="Show only the newest N.")] = None,
     storage_option: StorageOpt = None,
+    timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """List committed versions, newest first."""
@@ -242,7 +266,9 @@ def log_cmd(
 
     with handle_errors(ctx):
         entries = version_log(
-            store, storage_options=parse_storage_options(storage_option), limit=limit
+            store,
+            storage_options=parse_storage_options(storage_option, timeout=timeout),
+            limit=limit,
         )
     if json_out:
         print_json([e.to_json() for e in entries])
@@ -270,13 +296,14 @@ def show(
     version: Annotated[int, typer.Argument(min=0, help="Version to show.")],
     tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor.")] = False,
     storage_option: StorageOpt = None,
+    timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Show one version's manifest (--json: the manifest itself)."""
     from deltastore.history import show_manifest
 
     with handle_errors(ctx):
-        options = parse_storage_options(storage_option)
+        options = parse_storage_options(storage_option, timeout=timeout)
         m = show_manifest(store, version, storage_options=options)
     if json_out:
         print_json(m.model_dump(mode="json"))
@@ -339,6 +366,7 @@ def gc_cmd(
         ),
     ] = 3600.0,
     storage_option: StorageOpt = None,
+    timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Remove orphans (--orphans, required): data objects of failed or lost publishes (never
@@ -353,7 +381,7 @@ def gc_cmd(
             orphans=True,
             dry_run=dry_run,
             min_age_s=min_age,
-            storage_options=parse_storage_options(storage_option),
+            storage_options=parse_storage_options(storage_option, timeout=timeout),
         )
     removed = [o for o in report.orphans if o.kept is None]
     unknown = sum(o.size is None for o in removed)  # object stores may not report sizes
@@ -400,17 +428,18 @@ def verify(
         ),
     ] = None,
     storage_option: StorageOpt = None,
+    timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Check a store for damage (fsck), or with --checkout a folder `pull` wrote."""
-    from deltastore.cli._common import EXIT_DAMAGED
+    from deltastore.cli._common import EXIT_DAMAGED, EXIT_NOT_FOUND
     from deltastore.fsck import verify_checkout, verify_store
 
     if checkout is None and store is None:
         raise typer.BadParameter("give STORE, or --checkout DEST")
     if checkout is not None and deep:
         raise typer.BadParameter("--deep checks a store; drop it with --checkout")
-    options = parse_storage_options(storage_option)
+    options = parse_storage_options(storage_option, timeout=timeout)
     with handle_errors(ctx), progress_bar(ctx, "verify") as progress:
         if checkout is not None:
             report = verify_checkout(checkout, store, storage_options=options)
@@ -422,6 +451,8 @@ def verify(
         for problem in report.problems:
             out_console.print(Text(problem.line()), highlight=False)
         out_console.print(Text(report.summary()), highlight=False)
+    if report.empty:  # a store without any version: nothing was verified
+        raise typer.Exit(EXIT_NOT_FOUND)
     if not report.ok:
         raise typer.Exit(EXIT_MISMATCH if checkout is not None else EXIT_DAMAGED)
 

@@ -159,12 +159,15 @@ def handle_errors(ctx: typer.Context) -> Iterator[None]:
     settle()
 
 
-def parse_storage_options(items: list[str] | None) -> dict[str, Any] | None:
-    """``KEY=VALUE`` pairs; VALUE is JSON when it parses (true, 3, "x"), else a string."""
-    if not items:
+def parse_storage_options(
+    items: list[str] | None, *, timeout: float | None = None
+) -> dict[str, Any] | None:
+    """``KEY=VALUE`` pairs; VALUE is JSON when it parses (true, 3, "x"), else a string.
+    ``timeout`` (``--timeout``) becomes the ``timeout`` storage option, over ``-o timeout=``."""
+    if not items and timeout is None:
         return None
     out: dict[str, Any] = {}
-    for item in items:
+    for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise typer.BadParameter(f"expected KEY=VALUE, got {item.split('=')[0]!r}...")
@@ -172,6 +175,8 @@ def parse_storage_options(items: list[str] | None) -> dict[str, Any] | None:
             out[key] = json.loads(value)
         except ValueError:
             out[key] = value
+    if timeout is not None:
+        out["timeout"] = timeout
     return out
 
 

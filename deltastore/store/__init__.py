@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from deltastore.errors import StoreError
-from deltastore.store.base import Store, validate_key
+from deltastore.store.base import OWN_OPTIONS, Store, split_options, validate_key
 from deltastore.store.local import LocalStore
 
 
@@ -15,16 +15,21 @@ def open_store(
 ) -> Store:
     """Open the store at ``url``: a plain path or ``file://`` URL (a :class:`Store` passes through).
 
-    ``storage_options`` are for fsspec backends; a local store takes none.
+    ``storage_options`` are for fsspec backends, except deltastore's own (any store takes
+    them): ``timeout`` (seconds: the bound of each store operation, retries included; no-op
+    for a local store) and ``unsafe_commits`` (see :attr:`Store.unsafe_commits`). A local
+    store takes no other option.
     """
     if isinstance(url, Store):
         return url
     url = os.fspath(url)
     scheme, sep, rest = url.partition("://")
     if not sep or scheme == "file":
-        if storage_options:
+        options, _, _ = split_options(storage_options)  # checked; no-ops on a local folder
+        if options:
             raise StoreError(
-                f"a local store takes no storage options (got {sorted(storage_options)})"
+                f"a local store takes no storage options (got {sorted(options)}; "
+                f"it takes only {', '.join(OWN_OPTIONS)})"
             )
         return LocalStore(rest if sep else url)
     if scheme in ("s3", "s3a"):

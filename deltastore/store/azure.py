@@ -23,6 +23,11 @@ Guarantees:
 
 Retries: 429 and 5xx responses, connection errors and timeouts are retried with the store's
 :class:`RetryPolicy`, the only retry layer: the SDK's own retries (15-80 s backoffs) are off.
+With a ``timeout``, the SDK's ``connection_timeout`` and ``read_timeout`` are capped by it.
+
+A container that does not exist (``ContainerNotFound``) raises :class:`BucketNotFoundError`.
+``unsafe_commits`` is accepted as on S3 and GCS; Azure Blob Storage and Azurite enforce the
+preconditions, so there it changes nothing.
 
 Thread-safe: adlfs runs its async Azure client on fsspec's event-loop thread; every call here,
 from any thread, is submitted to that loop and waited for.
@@ -41,7 +46,8 @@ from deltastore.errors import (
     StoreError,
     VersionExistsError,
 )
-from deltastore.store.fsspec_store import FsspecStore, RetryPolicy
+from deltastore.store.base import split_options
+from deltastore.store.fsspec_store import FsspecStore, RetryPolicy, request_timeouts
 
 T = TypeVar("T")
 
@@ -87,7 +93,11 @@ def _disable_sdk_retries(fs: Any) -> None:
 
 class AzureStore(FsspecStore):
     """Store at ``az://container/prefix``. ``storage_options`` go to
-    ``adlfs.AzureBlobFileSystem``. The container must exist."""
+    ``adlfs.AzureBlobFileSystem`` (``account_name``, ``account_key``, ``connection_string``,
+    ``sas_token``, ``credential``...), except deltastore's own ``timeout`` and
+    ``unsafe_commits``. The container must exist."""
+
+    bucket_kind = "container"
 
     def __init__(
         self,
@@ -95,6 +105,8 @@ class AzureStore(FsspecStore):
         storage_options: dict[str, Any] | None = None,
         *,
         retry: RetryPolicy | None = None,
+        unsafe_commits: bool = False,
+        timeout: float | None = None,
     ) -> None:
         try:
             import adlfs
@@ -102,7 +114,16 @@ class AzureStore(FsspecStore):
             raise StoreError(
                 "az:// stores need the azure extra: pip install 'deltastore[azure]'"
             ) from None
-        options = dict(storage_options or {})
+        options, timeout, unsafe_commits = split_options(
+            storage_options, timeout=timeout, unsafe_commits=unsafe_commits
+        )
+        if timeout is not None:
+            connect, read = request_timeouts(
+                timeout,
+                options.get("connection_timeout") or 20.0,
+                options.get("read_timeout") or 60.0,
+            )
+            options["connection_timeout"], options["read_timeout"] = connect, read
         for name, value in adlfs.AzureBlobFileSystem._get_kwargs_from_urls(url).items():
             options.setdefault(name, value)
         root = adlfs.AzureBlobFileSystem._strip_protocol(url).split("?", 1)[0].strip("/")
@@ -120,7 +141,7 @@ class AzureStore(FsspecStore):
             skip_instance_cache=True, use_listings_cache=False, **options
         )
         _disable_sdk_retries(fs)
-        super().__init__(url, fs, root, retry=retry)
+        super().__init__(url, fs, root, retry=retry, unsafe_commits=unsafe_commits, timeout=timeout)
 
     # --- plumbing -----------------------------------------------------------------------
 
@@ -156,6 +177,24 @@ class AzureStore(FsspecStore):
         if http is not None:
             return (http.status_code or 0) in _TRANSIENT_STATUS
         return super().transient(exc)
+
+    def _says_bucket_missing(self, exc: BaseException) -> bool:
+        http = _http_error(exc)
+        return http is not None and getattr(http, "error_code", None) == "ContainerNotFound"
+
+    def _bucket_exists(self) -> bool | None:
+        """Get Container Properties: 404 -> False."""
+        from azure.core.exceptions import ResourceNotFoundError
+
+        async def properties() -> None:
+            async with self.fs.service_client.get_container_client(self.bucket) as cc:
+                await cc.get_container_properties(**self._timeouts())
+
+        try:
+            self._run(properties)
+        except ResourceNotFoundError:
+            return False
+        return True
 
     # --- backend hooks ------------------------------------------------------------------
 

@@ -13,14 +13,49 @@ several threads at once.
 from __future__ import annotations
 
 import builtins
+import math
 import re
 from abc import ABC, abstractmethod
+from typing import Any
 
-from deltastore.errors import InvalidKeyError
+from deltastore.errors import InvalidKeyError, StoreError
 from deltastore.manifest import KEY_PATTERN
 
 _KEY = re.compile(KEY_PATTERN)
 MAX_KEY_LENGTH = 1024
+
+#: Storage options deltastore reads itself; they never reach the filesystem.
+OWN_OPTIONS = ("timeout", "unsafe_commits")
+
+
+def split_options(
+    storage_options: dict[str, Any] | None,
+    *,
+    timeout: float | None = None,
+    unsafe_commits: bool = False,
+) -> tuple[dict[str, Any], float | None, bool]:
+    """``(filesystem options, timeout, unsafe_commits)``: deltastore's own storage options
+    (:data:`OWN_OPTIONS`, e.g. ``-o timeout=30`` on the CLI) taken out of
+    ``storage_options``. An explicit ``timeout`` argument wins over the option;
+    ``unsafe_commits`` is on when either asks for it."""
+    options = dict(storage_options or {})
+    own_timeout = options.pop("timeout", None)
+    own_unsafe = options.pop("unsafe_commits", False)
+    if timeout is None:
+        timeout = own_timeout
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise StoreError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if not isinstance(own_unsafe, bool) or not isinstance(unsafe_commits, bool):
+        raise StoreError(
+            f"unsafe_commits must be true or false, got {own_unsafe!r}: "
+            "-o unsafe_commits=true (or deltastore publish --unsafe-commits)"
+        )
+    return options, None if timeout is None else float(timeout), unsafe_commits or own_unsafe
 
 
 def validate_key(key: str) -> str:
@@ -38,6 +73,11 @@ class Store(ABC):
 
     #: Human-readable location (URL or path), used in messages; never holds credentials.
     url: str
+
+    #: Accept commits on a service found to ignore create-if-absent preconditions (then only
+    #: one publisher may write to the store). A no-op where create-if-absent is always
+    #: enforced (a local folder; Azure Blob Storage).
+    unsafe_commits: bool = False
 
     @abstractmethod
     def get(self, key: str) -> bytes:
@@ -85,7 +125,9 @@ class Store(ABC):
 
     def check_conditional_writes(self) -> bool:
         """Whether :meth:`put_if_absent` is enforced by the backend; a backend that may
-        ignore it probes once and raises :class:`StoreError` when commits would be unsafe."""
+        ignore it probes once and, when it does, raises
+        :class:`~deltastore.errors.PreconditionsIgnoredError` unless :attr:`unsafe_commits`
+        (then it returns False)."""
         return True
 
     def exists(self, key: str) -> bool:

@@ -2,9 +2,15 @@
 
 :class:`FsspecStore` moves bytes with the filesystem's ordinary calls (``cat_file``,
 ``pipe_file``, ``find``, ``rm_file``), without fsspec's instance or listing caches (a poller
-must never see stale state), and retries transient failures with :class:`RetryPolicy`.
-The conditional writes (create-if-absent, compare-and-swap) are backend-specific: each
-backend module subclasses it and implements them with what the service guarantees.
+must never see stale state), and retries transient failures with :class:`RetryPolicy`: each
+retry is logged at WARNING (what failed, attempt n of m, the wait), and ``timeout`` (seconds)
+bounds the whole operation. The conditional writes (create-if-absent, compare-and-swap) are
+backend-specific: each backend module subclasses it and implements them with what the service
+guarantees.
+
+A bucket (Azure: container) that does not exist raises :class:`BucketNotFoundError` from
+every operation, instead of looking like an empty store: a not-found error or an empty
+listing is checked once against the bucket itself (one request, until the bucket is seen).
 
 Thread-safe: fsspec async filesystems may be called from several threads.
 """
@@ -12,6 +18,7 @@ Thread-safe: fsspec async filesystems may be called from several threads.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import random
@@ -22,8 +29,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from deltastore.errors import (
+    BucketNotFoundError,
     ObjectNotFoundError,
     PreconditionFailedError,
+    PreconditionsIgnoredError,
     StoreError,
     VersionExistsError,
 )
@@ -48,9 +57,16 @@ class TransientError(StoreError):
     """A failure worth retrying (5xx, throttling, connection reset, timeout)."""
 
 
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of an error, on one line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential backoff with full jitter, bounded in attempts and in total seconds."""
+    """Exponential backoff with full jitter, bounded in attempts and in total seconds: a
+    retry that would start after ``total_seconds`` is not made."""
 
     attempts: int = 8
     base_delay: float = 0.05
@@ -64,19 +80,50 @@ class RetryPolicy:
         ]
 
 
+def request_timeouts(timeout: float | None, connect: float, read: float) -> tuple[float, float]:
+    """Per-request (connect, read) timeouts: the backend's defaults, never above ``timeout``."""
+    if timeout is None:
+        return connect, read
+    return min(connect, timeout), min(read, timeout)
+
+
 class FsspecStore(Store):
-    """A :class:`Store` over an fsspec filesystem rooted at ``root`` (``bucket/prefix``)."""
+    """A :class:`Store` over an fsspec filesystem rooted at ``root`` (``bucket/prefix``).
+
+    ``timeout`` (seconds) bounds each operation, retries included (it replaces the policy's
+    ``total_seconds``); backends also cap their per-request timeouts with it."""
 
     #: The precondition create-if-absent relies on, named in messages.
     precondition = "If-None-Match"
+    #: What the first segment of the root is called, in messages.
+    bucket_kind = "bucket"
 
-    def __init__(self, url: str, fs: Any, root: str, *, retry: RetryPolicy | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        fs: Any,
+        root: str,
+        *,
+        retry: RetryPolicy | None = None,
+        unsafe_commits: bool = False,
+        timeout: float | None = None,
+    ) -> None:
         self.url = url
         self.fs = fs
         self.root = root.rstrip("/")
-        self.retry = retry or RetryPolicy()
-        self.unsafe_commits = False
+        self.bucket = self.root.split("/", 1)[0]
+        policy = retry or RetryPolicy()
+        if timeout is not None:
+            policy = dataclasses.replace(policy, total_seconds=timeout)
+        self.retry = policy
+        self.timeout = timeout
+        self.unsafe_commits = unsafe_commits
         self._probed: bool | None = None
+        self._bucket_seen = False  # the bucket answered once: not-found means the key
+        # When an operation gave up on transient errors, the ones that follow within the
+        # timeout try once: a command that falls back to another request after a failure
+        # (LATEST, then a listing) still fails within about one timeout, not one per request.
+        self._failing_until = 0.0
 
     # --- plumbing -----------------------------------------------------------------------
 
@@ -90,27 +137,97 @@ class FsspecStore(Store):
         return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
 
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` with retries; map permanent errors to typed store errors."""
-        deadline = time.monotonic() + self.retry.total_seconds
-        delays = self.retry.delays()
-        for attempt in range(self.retry.attempts):
+        """Run ``fn`` with retries; map permanent errors to typed store errors.
+
+        Each retry is logged at WARNING; no retry starts after the policy's
+        ``total_seconds`` (the store's ``timeout``). Within that time after an operation
+        gave up on transient errors, an operation makes one attempt."""
+        policy = self.retry
+        start = time.monotonic()
+        deadline = start + policy.total_seconds
+        delays = policy.delays()
+        attempts = 1 if start < self._failing_until else policy.attempts
+        for attempt in range(1, attempts + 1):
             try:
-                return fn()
-            except (VersionExistsError, PreconditionFailedError, ObjectNotFoundError):
+                result = fn()
+                self._failing_until = 0.0
+                return result
+            except (
+                VersionExistsError,
+                PreconditionFailedError,
+                ObjectNotFoundError,
+                BucketNotFoundError,
+            ):
                 raise
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                self._failing_until = 0.0  # the service answered
+                self._raise_if_bucket_missing(exc, probe=True)
                 raise ObjectNotFoundError(f"{key} not found in store {self.url}") from None
             except Exception as exc:
+                self._raise_if_bucket_missing(exc, probe=False)
                 if not self.transient(exc):
+                    self._failing_until = 0.0  # the service answered
                     raise StoreError(f"{op} {key} in store {self.url} failed: {exc}") from exc
-                if attempt == len(delays) or time.monotonic() + delays[attempt] > deadline:
+                now = time.monotonic()
+                if attempt == attempts or now + delays[attempt - 1] > deadline:
+                    bound = (
+                        f"at most {policy.attempts} attempts within {policy.total_seconds:g} s"
+                        if attempts > 1
+                        else "one attempt: the previous operation gave up just before"
+                    )
+                    self._failing_until = now + policy.total_seconds
                     raise StoreError(
-                        f"{op} {key} in store {self.url} still failing after {attempt + 1} "
-                        f"attempts: {exc}"
+                        f"{op} {key} in store {self.url} still failing after {attempt} "
+                        f"attempt{'s' if attempt > 1 else ''} in {now - start:.1f} s "
+                        f"({bound}): {_describe(exc)}; check the endpoint, the network and "
+                        "the credentials, or allow more time (--timeout / the timeout option)"
                     ) from exc
-                log.debug("%s %s: transient %r, retry %d", op, key, exc, attempt + 1)
-                time.sleep(delays[attempt])
+                log.warning(
+                    "%s %s in store %s failed (%s); attempt %d of %d, retrying in %.2f s",
+                    op,
+                    key,
+                    self.url,
+                    _describe(exc),
+                    attempt,
+                    attempts,
+                    delays[attempt - 1],
+                )
+                time.sleep(delays[attempt - 1])
         raise StoreError(f"{op} {key}: no attempt made")  # pragma: no cover - attempts >= 1
+
+    # --- a bucket that does not exist ---------------------------------------------------
+
+    def _raise_if_bucket_missing(self, exc: BaseException | None, *, probe: bool) -> None:
+        """Raise :class:`BucketNotFoundError` when the store's bucket does not exist: the
+        error says so (:meth:`_says_bucket_missing`), or with ``probe`` (a not-found error,
+        an empty listing) one request for the bucket does, until it is seen once."""
+        if self._bucket_seen:
+            return
+        missing = exc is not None and self._says_bucket_missing(exc)
+        if not missing and probe:
+            try:
+                exists = self._bucket_exists()
+            except Exception as err:  # unknown (network, permission): say nothing
+                log.debug("bucket check of store %s failed: %r", self.url, err)
+                return
+            if exists is None:
+                return
+            missing = not exists
+        if missing:
+            raise BucketNotFoundError(
+                f"{self.bucket_kind} {self.bucket!r} of store {self.url} does not exist: "
+                f"create it, or check the store URL (and the endpoint or account it is on)"
+            )
+        if probe:
+            self._bucket_seen = True
+
+    def _says_bucket_missing(self, exc: BaseException) -> bool:
+        """Whether ``exc`` itself says the bucket does not exist (no request made)."""
+        return False
+
+    def _bucket_exists(self) -> bool | None:
+        """Ask the service whether the bucket exists (one request); None when unknown."""
+        return None
 
     # --- Store --------------------------------------------------------------------------
 
@@ -192,11 +309,14 @@ class FsspecStore(Store):
             self.fs.invalidate_cache(base)
             try:
                 return list(self.fs.find(base))
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                self._raise_if_bucket_missing(exc, probe=False)
                 return []
 
         start = len(self.root) + 1
         keys = [p[start:] for p in self._call("list", prefix or "/", find)]
+        if not keys:  # an empty store, or no bucket at all
+            self._raise_if_bucket_missing(None, probe=True)
         return sorted(
             k
             for k in keys
@@ -224,8 +344,9 @@ class FsspecStore(Store):
     def check_conditional_writes(self) -> bool:
         """Probe once (create a probe key twice) whether the service enforces create-if-absent.
 
-        True when it does. When it ignores the precondition, raise :class:`StoreError` unless
-        :attr:`unsafe_commits` (then False: only one publisher may use the store).
+        True when it does. When it ignores the precondition, raise
+        :class:`PreconditionsIgnoredError` unless :attr:`unsafe_commits` (then False: only one
+        publisher may use the store).
         """
         if self._probed is None:
             key = f"_probe/{uuid.uuid4().hex}"
@@ -239,10 +360,11 @@ class FsspecStore(Store):
                 with contextlib.suppress(StoreError):
                     self.delete(key)
         if not self._probed and not self.unsafe_commits:
-            raise StoreError(
-                f"store {self.url} ignores {self.precondition} preconditions: two writers could "
-                "both commit a version. Use a service that enforces them, or (S3, GCS) pass "
-                "unsafe_commits=True (one publisher only) to accept the risk"
+            raise PreconditionsIgnoredError(
+                f"store {self.url} ignores {self.precondition} preconditions: two publishers "
+                "could both commit a version. Use a service that enforces them, or, if only "
+                "one publisher ever writes to this store, accept the risk: "
+                "deltastore publish --unsafe-commits (Python: unsafe_commits=True)"
             )
         return self._probed
 

@@ -14,7 +14,10 @@ Guarantees (on real GCS, which is strongly consistent for object reads, writes a
 - Retries: :class:`RetryPolicy` is the only retry loop. gcsfs's own per-request retries are
   turned off for this store's filesystem: nested, they would multiply attempts and time past
   the policy's bounds, and would hide the transient failure of a conditional upload, so a
-  writer whose commit landed would be told it lost.
+  writer whose commit landed would be told it lost. With a ``timeout``, each request's connect
+  and socket-read timeouts (``requests_timeout``) are capped by it.
+- A bucket that does not exist raises :class:`BucketNotFoundError` (one metadata GET of the
+  bucket, after a 404 or an empty listing).
 
 Not enforced everywhere: ``gcp-storage-emulator`` ignores every generation precondition;
 :meth:`GCSStore.check_conditional_writes` detects this with a probe (create one key twice) and
@@ -42,8 +45,8 @@ from deltastore.errors import (
     StoreError,
     VersionExistsError,
 )
-from deltastore.store.base import validate_key
-from deltastore.store.fsspec_store import FsspecStore, RetryPolicy
+from deltastore.store.base import split_options, validate_key
+from deltastore.store.fsspec_store import FsspecStore, RetryPolicy, request_timeouts
 
 #: Objects this large go through gcsfs's resumable upload (its default chunk size).
 SINGLE_REQUEST_MAX = 50 * 2**20
@@ -51,7 +54,8 @@ SINGLE_REQUEST_MAX = 50 * 2**20
 
 class GCSStore(FsspecStore):
     """Store at ``gs://bucket/prefix``. ``storage_options`` go to ``gcsfs.GCSFileSystem``
-    (``project``, ``token``, ``endpoint_url``, ``requester_pays``, ``requests_timeout``...)."""
+    (``project``, ``token``, ``endpoint_url``, ``requester_pays``, ``requests_timeout``...),
+    except deltastore's own ``timeout`` and ``unsafe_commits``."""
 
     precondition = "ifGenerationMatch"
 
@@ -62,6 +66,7 @@ class GCSStore(FsspecStore):
         *,
         retry: RetryPolicy | None = None,
         unsafe_commits: bool = False,
+        timeout: float | None = None,
     ) -> None:
         try:
             from gcsfs.core import GCSFileSystem
@@ -72,14 +77,22 @@ class GCSStore(FsspecStore):
         root = url.split("://", 1)[1].strip("/")
         if not root:
             raise StoreError(f"{url}: a GCS store URL names a bucket: gs://bucket[/prefix]")
-        options = dict(storage_options or {})
+        options, timeout, unsafe_commits = split_options(
+            storage_options, timeout=timeout, unsafe_commits=unsafe_commits
+        )
+        if timeout is not None and "requests_timeout" not in options:
+            import aiohttp
+
+            connect, read = request_timeouts(timeout, 30.0, 300.0)
+            options["requests_timeout"] = aiohttp.ClientTimeout(
+                total=None, sock_connect=connect, sock_read=read
+            )
         fs = GCSFileSystem(skip_instance_cache=True, use_listings_cache=False, **options)
         # One retry loop (ours): call gcsfs's request without its retry decorator.
         single = getattr(type(fs)._request, "__wrapped__", None)
         if single is not None:
             fs._request = types.MethodType(single, fs)
-        super().__init__(url, fs, root, retry=retry)
-        self.unsafe_commits = unsafe_commits
+        super().__init__(url, fs, root, retry=retry, unsafe_commits=unsafe_commits, timeout=timeout)
         self._generation_header: bool | None = None  # does the service send x-goog-generation?
 
     # --- errors -------------------------------------------------------------------------
@@ -93,6 +106,16 @@ class GCSStore(FsspecStore):
         from gcsfs.retry import is_retriable
 
         return bool(is_retriable(exc)) or super().transient(exc)
+
+    def _bucket_exists(self) -> bool | None:
+        """Metadata GET of the bucket: 404 -> False; 403 (exists, not readable) -> True."""
+        try:
+            self.fs.call("GET", "b/{}", self.bucket, json_out=True)
+        except FileNotFoundError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
     # --- requests -----------------------------------------------------------------------
 

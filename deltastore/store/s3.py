@@ -5,6 +5,11 @@ Commit: ``PutObject`` with ``If-None-Match: *`` (412 -> :class:`VersionExistsErr
 Some S3-compatible servers ignore these headers; :meth:`S3Store.check_conditional_writes`
 probes once (creates a probe key twice) and the publisher refuses to commit on a store that
 failed the probe unless ``unsafe_commits=True`` was passed.
+
+Retries: :class:`RetryPolicy` is the only retry layer. s3fs's own retry loop and botocore's
+retries are turned off (they added 7-17 s of silent retries before an unreachable endpoint
+was reported); botocore's connect and read timeouts are capped by the store's ``timeout``.
+A missing bucket (``NoSuchBucket``) raises :class:`BucketNotFoundError`.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from functools import partial
 from typing import Any
 
 from deltastore.errors import PreconditionFailedError, StoreError, VersionExistsError
-from deltastore.store.fsspec_store import FsspecStore, RetryPolicy
+from deltastore.store.base import split_options
+from deltastore.store.fsspec_store import FsspecStore, RetryPolicy, request_timeouts
 
 _TRANSIENT_CODES = {
     "InternalError",
@@ -51,8 +57,23 @@ def _precondition_failed(exc: BaseException) -> bool:
     return "pre-condition" in str(exc) or "precondition" in str(exc).lower()
 
 
+def _botocore_config(options: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+    """``config_kwargs`` for botocore: no retries of its own (``RetryPolicy`` retries), connect
+    and read timeouts (s3fs's defaults, 5 s and 15 s) capped by ``timeout``; what the caller
+    gave in ``config_kwargs`` is kept, its timeouts capped too."""
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+    connect, read = request_timeouts(
+        timeout, config.get("connect_timeout", 5.0), config.get("read_timeout", 15.0)
+    )
+    config["connect_timeout"], config["read_timeout"] = connect, read
+    return config
+
+
 class S3Store(FsspecStore):
-    """Store at ``s3://bucket/prefix``. ``storage_options`` go to ``s3fs.S3FileSystem``."""
+    """Store at ``s3://bucket/prefix``. ``storage_options`` go to ``s3fs.S3FileSystem``
+    (``key``, ``secret``, ``token``, ``profile``, ``endpoint_url``, ``client_kwargs``...),
+    except deltastore's own ``timeout`` and ``unsafe_commits``."""
 
     def __init__(
         self,
@@ -61,6 +82,7 @@ class S3Store(FsspecStore):
         *,
         retry: RetryPolicy | None = None,
         unsafe_commits: bool = False,
+        timeout: float | None = None,
     ) -> None:
         try:
             import s3fs
@@ -68,19 +90,49 @@ class S3Store(FsspecStore):
             raise StoreError(
                 "s3:// stores need the s3 extra: pip install 'deltastore[s3]'"
             ) from None
-        options = dict(storage_options or {})
+        options, timeout, unsafe_commits = split_options(
+            storage_options, timeout=timeout, unsafe_commits=unsafe_commits
+        )
+        options["config_kwargs"] = _botocore_config(options, timeout)
         fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **options)
+        fs.retries = 1  # s3fs's own retry loop: one attempt (RetryPolicy retries)
         root = url.split("://", 1)[1].strip("/")
         if not root:
             raise StoreError(f"{url}: an S3 store URL names a bucket: s3://bucket[/prefix]")
-        super().__init__(url, fs, root, retry=retry)
-        self.unsafe_commits = unsafe_commits
+        super().__init__(url, fs, root, retry=retry, unsafe_commits=unsafe_commits, timeout=timeout)
 
     def transient(self, exc: BaseException) -> bool:
+        """Throttling and 5xx answers, 409 ``ConditionalRequestConflict``, and what s3fs
+        itself would retry: connection errors and timeouts (botocore's included), truncated
+        or unparsable responses."""
         info = _client_error(exc)
         if info is not None:
             return info[0] in _TRANSIENT_CODES or info[1] in _TRANSIENT_STATUS
+        from s3fs.core import S3_RETRYABLE_ERRORS
+
+        if isinstance(exc, S3_RETRYABLE_ERRORS):
+            return True
+        from botocore.exceptions import (  # type: ignore[import-untyped]
+            ConnectionError as BotocoreConnectionError,
+        )
+
+        if isinstance(exc, BotocoreConnectionError):  # EndpointConnectionError, timeouts
+            return True
         return super().transient(exc)
+
+    def _says_bucket_missing(self, exc: BaseException) -> bool:
+        info = _client_error(exc)
+        return info is not None and info[0] == "NoSuchBucket"
+
+    def _bucket_exists(self) -> bool | None:
+        """``HeadBucket``: 404 -> False; 403 (exists, not ours to HEAD) -> True."""
+        try:
+            self.fs.call_s3("head_bucket", Bucket=self.bucket)
+        except FileNotFoundError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
     def _create(self, path: str, data: bytes) -> None:
         try:
