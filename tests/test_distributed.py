@@ -5,12 +5,20 @@ then spawns ``world`` processes that each hold one tensor-parallel rank of the m
 version by version as one process group. The workers check their local tensors bit-wise
 against a reference re-sharding written with plain torch ops, and report the bytes they
 fetched and the errors they saw to JSON files the test then checks across ranks.
+
+Every worker also reports the gloo threads left after ``destroy_process_group()``: a
+process group that outlives it (something still references it) keeps them running into
+interpreter shutdown, where a late one aborts the process (see ``deltastore._group``).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import multiprocessing
 import os
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +35,9 @@ from deltastore.store import open_store
 from tests.test_stores_e2e import CountingStore, s3
 
 VOCAB, HIDDEN, PADDED = 1000, 64, 1024
+#: Rendezvous and collective timeout: long enough for a rank that spawns late on a loaded
+#: machine, short enough that a lost rank fails the test instead of hanging it for 30 minutes.
+TIMEOUT = timedelta(minutes=5)
 SHAPES = {
     "embed": (VOCAB, HIDDEN),
     "q": (128, HIDDEN),
@@ -91,14 +102,40 @@ def versions(count: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
+def _init(rank: int, world: int, cfg: dict[str, Any]) -> None:
+    faulthandler.enable(all_threads=True)  # an abort prints every thread's Python stack
     dist.init_process_group(
-        "gloo", init_method=f"file://{cfg['init']}", rank=rank, world_size=world
+        "gloo", init_method=f"file://{cfg['init']}", rank=rank, world_size=world, timeout=TIMEOUT
     )
+
+
+def _gloo_threads_left() -> list[str]:
+    """This process's gloo threads, once those that are ending have ended (2 s at most):
+    after ``destroy_process_group()`` a live one means the group was not destroyed."""
+    task = Path("/proc/self/task")
+    if not task.is_dir():  # not Linux: nothing to look at
+        return []
+    deadline = time.monotonic() + 2.0
+    while True:
+        names = []
+        for t in task.iterdir():
+            try:
+                names.append((t / "comm").read_text().strip())
+            except OSError:  # ended meanwhile
+                continue
+        left = sorted(n for n in names if "gloo" in n)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
+    _init(rank, world, cfg)
     try:
         _run(rank, world, cfg)
     finally:
         dist.destroy_process_group()
+    Path(cfg["dir"], f"threads{rank}.json").write_text(json.dumps(_gloo_threads_left()))
 
 
 def _run(rank: int, world: int, cfg: dict[str, Any]) -> None:
@@ -157,7 +194,19 @@ def _publish(
 def _spawn(world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_worker, args=(world, cfg), nprocs=world, join=True)
-    return [json.loads(Path(cfg["dir"], f"rank{r}.json").read_text()) for r in range(world)]
+    results = [json.loads(Path(cfg["dir"], f"rank{r}.json").read_text()) for r in range(world)]
+    for r, res in enumerate(results):
+        res["threads"] = json.loads(Path(cfg["dir"], f"threads{r}.json").read_text())
+    return results
+
+
+def _corrupt_first_frame(store: LocalStore, version: int, name: str) -> None:
+    """Flip a byte in the middle of the first stored frame of ``name`` at ``version``."""
+    frame = parse_manifest(store.get(manifest_key(version))).tensors[name].frames[0]
+    path = store.root / frame.object
+    blob = bytearray(path.read_bytes())
+    blob[frame.offset + frame.length // 2] ^= 0xFF
+    path.write_bytes(bytes(blob))
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -169,11 +218,7 @@ def test_engine_ranks_sync_bit_exact_fetching_each_frame_once(tmp_path: Path, wo
     damaged = {n: t.clone() for n, t in states[-1].items()}
     bits(damaged["up"]).view(-1)[::7] ^= 1
     pub.publish(damaged, version=6)
-    frame = parse_manifest(store.get(manifest_key(6))).tensors["up"].frames[0]
-    path = tmp_path / "store" / frame.object
-    blob = bytearray(path.read_bytes())
-    blob[frame.offset + frame.length // 2] ^= 0xFF
-    path.write_bytes(bytes(blob))
+    _corrupt_first_frame(store, 6, "up")
 
     results = _spawn(
         world,
@@ -196,6 +241,8 @@ def test_engine_ranks_sync_bit_exact_fetching_each_frame_once(tmp_path: Path, wo
     for r in results:  # pause/resume around each delta's write phase, in order
         assert r["calls"] == ["pause", "resume"] * (len(r["calls"]) // 2)
         assert len(r["calls"]) >= 2 * 5
+    # the rank that met the damaged frame still destroyed its group (and gloo's threads)
+    assert [r["threads"] for r in results] == [[]] * world
 
 
 def test_engine_ranks_over_s3(tmp_path: Path, s3_endpoint: str) -> None:
@@ -218,3 +265,74 @@ def test_engine_ranks_over_s3(tmp_path: Path, s3_endpoint: str) -> None:
         assert sum(r["fetched"][v] for r in results) == payload[v]
     # a whole-model replica per rank: anchor + 3 deltas, each frame fetched by one rank
     assert sum(r["whole_fetched"] for r in results) == sum(payload)
+    assert [r["threads"] for r in results] == [[], []]
+
+
+def _failing_worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
+    """An engine rank whose sync fails and that keeps what an engine keeps afterwards (its
+    Subscriber and the last error) across ``destroy_process_group()``. The last rank spawns
+    late; with ``leave``, it then raises before the sync the others are already in."""
+    if rank == world - 1:
+        time.sleep(cfg["late"])
+    _init(rank, world, cfg)
+    kept: list[Any] = []
+    out: dict[str, Any] = {}
+    try:
+        sub = Subscriber(open_store(cfg["url"]), group=dist.group.WORLD)
+        kept.append(sub)
+        if cfg["leave"] and rank == world - 1:
+            raise SystemExit(3)
+        try:
+            sub.sync(version=0)
+            sub.sync(version=1)  # a damaged frame
+        except Exception as exc:
+            kept.append(exc)
+            out["error"] = type(exc).__name__
+    finally:
+        dist.destroy_process_group()
+    out["threads"] = _gloo_threads_left()
+    Path(cfg["dir"], f"rank{rank}.json").write_text(json.dumps(out))
+
+
+@pytest.mark.parametrize("leave", [False, True], ids=["failed-sync", "rank-leaves-early"])
+def test_ranks_exit_cleanly_after_a_failure(tmp_path: Path, leave: bool) -> None:
+    """No rank dies of a signal: each destroys its group (joining gloo's threads) before the
+    interpreter exits, even when a failed sync's error and Subscriber outlive the group; a rank
+    that leaves while the others are in a collective gives them an error, not a hang."""
+    store = LocalStore(tmp_path / "store")
+    states = versions(2)
+    pub, _ = _publish(store, states[:1], tmp_path)
+    damaged = {n: t.clone() for n, t in states[1].items()}
+    bits(damaged["up"]).view(-1)[::7] ^= 1
+    pub.publish(damaged, version=1)
+    _corrupt_first_frame(store, 1, "up")
+    world = 2
+    cfg = {
+        "init": str(tmp_path / "pg"),
+        "url": str(tmp_path / "store"),
+        "dir": str(tmp_path),
+        "late": 2.0,
+        "leave": leave,
+    }
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_failing_worker, args=(r, world, cfg)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=TIMEOUT.total_seconds() / 2)
+    for p in procs:  # a rank still running is a hang
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    # exit codes, not signals: no abort ("terminate called without an active exception")
+    assert [p.exitcode for p in procs] == ([0, 3] if leave else [0, 0])
+    results = [
+        json.loads(Path(tmp_path, f"rank{r}.json").read_text())
+        for r in range(world - 1 if leave else world)
+    ]
+    assert [r["threads"] for r in results] == [[]] * len(results)
+    if leave:  # the rank left behind got the transport's error
+        assert results[0]["error"] not in ("IntegrityError", "RankError")
+    else:
+        assert sorted(r["error"] for r in results) == ["IntegrityError", "RankError"]
