@@ -34,12 +34,12 @@ test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check deltastore tests
-	$(BIN)/ruff format --check deltastore tests
+	$(BIN)/ruff check deltastore cli tests
+	$(BIN)/ruff format --check deltastore cli tests
 	$(BIN)/mypy
 
 schema: $(STAMP)
-	$(BIN)/python -m deltastore.schema --write manifests/schema/manifest.v1.schema.json
+	$(BIN)/python -m deltastore.format.schema --write manifests/schema/manifest.v1.schema.json
 
 clean:
 	rm -rf $(VENV) .azurite .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from deltastore._version import __version__ as __version__
 
 if TYPE_CHECKING:
+    from deltastore.checkpoint.folders import FolderRepair as FolderRepair
+    from deltastore.checkpoint.folders import FolderSync as FolderSync
     from deltastore.errors import ChainError as ChainError
     from deltastore.errors import DeltastoreError as DeltastoreError
     from deltastore.errors import FrameError as FrameError
@@ -36,36 +38,34 @@ if TYPE_CHECKING:
     from deltastore.errors import VersionNotCommittedError as VersionNotCommittedError
     from deltastore.errors import VersionOrderError as VersionOrderError
     from deltastore.errors import WrongParentError as WrongParentError
-    from deltastore.faults import FaultyStore as FaultyStore
-    from deltastore.faults import InjectedFault as InjectedFault
-    from deltastore.folders import FolderRepair as FolderRepair
-    from deltastore.folders import FolderSync as FolderSync
-    from deltastore.fsck import Problem as Problem
-    from deltastore.fsck import VerifyReport as VerifyReport
-    from deltastore.fsck import verify_checkout as verify_checkout
-    from deltastore.fsck import verify_store as verify_store
-    from deltastore.layout import Layout as Layout
-    from deltastore.layout import fuse as fuse
-    from deltastore.layout import replicate as replicate
-    from deltastore.layout import shard as shard
-    from deltastore.layout import stack as stack
-    from deltastore.manifest import Manifest as Manifest
-    from deltastore.manifest import parse_manifest as parse_manifest
-    from deltastore.presets import ModelSpec as ModelSpec
-    from deltastore.presets import hf_shapes as hf_shapes
-    from deltastore.presets import vllm_layout as vllm_layout
-    from deltastore.publisher import Publisher as Publisher
-    from deltastore.publisher import PublishReport as PublishReport
-    from deltastore.sharded import RowSlice as RowSlice
-    from deltastore.sharded import ShardWriter as ShardWriter
-    from deltastore.sharded import commit_parts as commit_parts
-    from deltastore.signing import SignatureError as SignatureError
-    from deltastore.signing import SigningKey as SigningKey
+    from deltastore.format.manifest import Manifest as Manifest
+    from deltastore.format.manifest import parse_manifest as parse_manifest
+    from deltastore.format.signing import SignatureError as SignatureError
+    from deltastore.format.signing import SigningKey as SigningKey
+    from deltastore.layout.boxes import Layout as Layout
+    from deltastore.layout.boxes import fuse as fuse
+    from deltastore.layout.boxes import replicate as replicate
+    from deltastore.layout.boxes import shard as shard
+    from deltastore.layout.boxes import stack as stack
+    from deltastore.layout.presets import ModelSpec as ModelSpec
+    from deltastore.layout.presets import hf_shapes as hf_shapes
+    from deltastore.layout.presets import vllm_layout as vllm_layout
+    from deltastore.maintenance.verify import Problem as Problem
+    from deltastore.maintenance.verify import VerifyReport as VerifyReport
+    from deltastore.maintenance.verify import verify_checkout as verify_checkout
+    from deltastore.maintenance.verify import verify_store as verify_store
+    from deltastore.publish.publisher import Publisher as Publisher
+    from deltastore.publish.publisher import PublishReport as PublishReport
+    from deltastore.publish.sharded import RowSlice as RowSlice
+    from deltastore.publish.sharded import ShardWriter as ShardWriter
+    from deltastore.publish.sharded import commit_parts as commit_parts
     from deltastore.store import LocalStore as LocalStore
     from deltastore.store import Store as Store
     from deltastore.store import open_store as open_store
-    from deltastore.subscriber import Subscriber as Subscriber
-    from deltastore.subscriber import SyncReport as SyncReport
+    from deltastore.sync.subscriber import Subscriber as Subscriber
+    from deltastore.sync.subscriber import SyncReport as SyncReport
+    from deltastore.testing.faults import FaultyStore as FaultyStore
+    from deltastore.testing.faults import InjectedFault as InjectedFault
 
 #: Errors exported from :mod:`deltastore.errors`.
 _ERRORS = (
@@ -93,36 +93,36 @@ _ERRORS = (
 #: Every public name (but ``__version__``) and the module it is imported from on first use.
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(_ERRORS, "deltastore.errors"),
-    "FaultyStore": "deltastore.faults",
-    "InjectedFault": "deltastore.faults",
-    "FolderRepair": "deltastore.folders",
-    "FolderSync": "deltastore.folders",
-    "Problem": "deltastore.fsck",
-    "VerifyReport": "deltastore.fsck",
-    "verify_checkout": "deltastore.fsck",
-    "verify_store": "deltastore.fsck",
-    "Layout": "deltastore.layout",
-    "fuse": "deltastore.layout",
-    "replicate": "deltastore.layout",
-    "shard": "deltastore.layout",
-    "stack": "deltastore.layout",
-    "Manifest": "deltastore.manifest",
-    "parse_manifest": "deltastore.manifest",
-    "ModelSpec": "deltastore.presets",
-    "hf_shapes": "deltastore.presets",
-    "vllm_layout": "deltastore.presets",
-    "Publisher": "deltastore.publisher",
-    "PublishReport": "deltastore.publisher",
-    "RowSlice": "deltastore.sharded",
-    "ShardWriter": "deltastore.sharded",
-    "commit_parts": "deltastore.sharded",
-    "SignatureError": "deltastore.signing",
-    "SigningKey": "deltastore.signing",
+    "FaultyStore": "deltastore.testing.faults",
+    "InjectedFault": "deltastore.testing.faults",
+    "FolderRepair": "deltastore.checkpoint.folders",
+    "FolderSync": "deltastore.checkpoint.folders",
+    "Problem": "deltastore.maintenance.verify",
+    "VerifyReport": "deltastore.maintenance.verify",
+    "verify_checkout": "deltastore.maintenance.verify",
+    "verify_store": "deltastore.maintenance.verify",
+    "Layout": "deltastore.layout.boxes",
+    "fuse": "deltastore.layout.boxes",
+    "replicate": "deltastore.layout.boxes",
+    "shard": "deltastore.layout.boxes",
+    "stack": "deltastore.layout.boxes",
+    "Manifest": "deltastore.format.manifest",
+    "parse_manifest": "deltastore.format.manifest",
+    "ModelSpec": "deltastore.layout.presets",
+    "hf_shapes": "deltastore.layout.presets",
+    "vllm_layout": "deltastore.layout.presets",
+    "Publisher": "deltastore.publish.publisher",
+    "PublishReport": "deltastore.publish.publisher",
+    "RowSlice": "deltastore.publish.sharded",
+    "ShardWriter": "deltastore.publish.sharded",
+    "commit_parts": "deltastore.publish.sharded",
+    "SignatureError": "deltastore.format.signing",
+    "SigningKey": "deltastore.format.signing",
     "LocalStore": "deltastore.store",
     "Store": "deltastore.store",
     "open_store": "deltastore.store",
-    "Subscriber": "deltastore.subscriber",
-    "SyncReport": "deltastore.subscriber",
+    "Subscriber": "deltastore.sync.subscriber",
+    "SyncReport": "deltastore.sync.subscriber",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

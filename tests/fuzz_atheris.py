@@ -24,9 +24,9 @@ import atheris
 with atheris.instrument_imports(include=["deltastore"]):
     import numpy as np
 
-    from deltastore.codecs import CODECS, XOR_SPARSE, FrameEncoder
     from deltastore.errors import DeltastoreError
-    from deltastore.manifest import parse_latest
+    from deltastore.format.codecs import CODECS, XOR_SPARSE, FrameEncoder
+    from deltastore.format.manifest import parse_latest
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from tests.test_hostile import VALID_BYTES, decode_checked, parse_or_typed_error

@@ -20,10 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-import deltastore.subscriber as subscriber_module
+import deltastore.sync.subscriber as subscriber_module
 from deltastore import Publisher, Subscriber
-from deltastore.checksum import adler32
-from deltastore.dtypes import np_words
 from deltastore.errors import (
     ChainError,
     DeltastoreError,
@@ -36,7 +34,9 @@ from deltastore.errors import (
     UnsupportedFormatError,
     WrongParentError,
 )
-from deltastore.manifest import manifest_key, state_digest
+from deltastore.format.checksum import adler32
+from deltastore.format.dtypes import np_words
+from deltastore.format.manifest import manifest_key, state_digest
 from deltastore.store.base import validate_key
 
 SHAPES: dict[str, tuple[int, ...]] = {

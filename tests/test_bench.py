@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from deltastore.bench import SCHEMA_VERSION, SYSTEMS, BenchResult, Workload, WorkloadSpec
 from deltastore.bench.ops import Differ, RssMeter, flip_positions
-from deltastore.cli import app
-from deltastore.cli._common import EXIT_ERROR
+from deltastore_cli import app
+from deltastore_cli.common import EXIT_ERROR
 
 runner = CliRunner()
 VERSIONS = 1

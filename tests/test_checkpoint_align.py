@@ -18,9 +18,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from deltastore.checkpoint import MappedCheckpoint, locate, read_header
-from deltastore.cli import app
-from deltastore.dtypes import itemsize
+from deltastore.checkpoint.safetensors import MappedCheckpoint, locate, read_header
+from deltastore.format.dtypes import itemsize
+from deltastore_cli import app
 
 runner = CliRunner()
 Tensors = dict[str, torch.Tensor]

@@ -1,4 +1,4 @@
-"""Property tests of deltastore.checksum against zlib's Adler-32 (DESIGN section 4).
+"""Property tests of deltastore.format.checksum against zlib's Adler-32 (DESIGN section 4).
 
 Large buffers come from a numpy generator seeded by hypothesis (drawing 100k-byte buffers
 byte by byte would be slow); sizes, seeds, change sets and word sizes are drawn. Sizes go past
@@ -14,9 +14,16 @@ import numpy as np
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from deltastore import checksum
-from deltastore.checksum import MOD, adler32, apply_delta, combine, delta_sums, shift_to_outer
-from deltastore.dtypes import word_dtype
+from deltastore.format import checksum
+from deltastore.format.checksum import (
+    MOD,
+    adler32,
+    apply_delta,
+    combine,
+    delta_sums,
+    shift_to_outer,
+)
+from deltastore.format.dtypes import word_dtype
 
 # derandomize: the same examples on every run (deterministic CI); bounded for speed.
 SETTINGS = settings(

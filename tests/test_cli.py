@@ -32,9 +32,8 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner, Result
 
 from deltastore import Publisher, __version__
-from deltastore.checkpoint import CheckpointError
-from deltastore.cli import _common as common
-from deltastore.cli import app
+from deltastore.checkpoint.folders import SIDECAR, default_state_dir
+from deltastore.checkpoint.safetensors import CheckpointError
 from deltastore.errors import (
     ChainError,
     FrameError,
@@ -51,9 +50,9 @@ from deltastore.errors import (
     VersionOrderError,
     WrongParentError,
 )
-from deltastore.folders import SIDECAR, default_state_dir
-from deltastore.manifest import LATEST_KEY, manifest_key
-from deltastore.synthetic import TINY, AdamWTrajectory
+from deltastore.format.manifest import LATEST_KEY, manifest_key
+from deltastore.testing.synthetic import TINY, AdamWTrajectory
+from deltastore_cli import app, common
 
 ROOT = Path(__file__).parent.parent
 SCHEMA = ROOT / "manifests" / "schema" / "manifest.v1.schema.json"
@@ -1086,7 +1085,7 @@ def test_human_bytes() -> None:
 def test_gc_reports_orphan_sizes_and_says_when_the_store_gives_none(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from deltastore.gc import GcReport, Orphan
+    from deltastore.maintenance.orphans import GcReport, Orphan
 
     store = tmp_path / "store"
     Publisher(store).publish({"w": torch.ones(10)}, version=1)
@@ -1114,7 +1113,9 @@ def test_gc_reports_orphan_sizes_and_says_when_the_store_gives_none(
             dry_run=False,
             min_age_s=0.0,
         )
-        monkeypatch.setattr("deltastore.gc.gc", lambda *a, report=report, **k: report)
+        monkeypatch.setattr(
+            "deltastore.maintenance.orphans.gc", lambda *a, report=report, **k: report
+        )
         out = ok("gc", "s3://bucket/p", "--orphans").stdout
         assert "0 B" not in out
         assert f"removed {blind.key} (size unknown)" in out
@@ -1145,23 +1146,23 @@ def test_pull_over_several_versions_counts_element_changes_not_elements(
 
 CTRL_C = """
 import os, signal, sys, time
-import deltastore.cli as cli
-from deltastore.cli import _common
+import deltastore_cli as cli
+from deltastore_cli import common
 
 def ctrl_c(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(2)
 
 if sys.argv[1] == "after-print":  # Ctrl-C lands right after the result is printed
-    real = _common.out_console.print
+    real = common.out_console.print
     def print_then_ctrl_c(*args, **kwargs):
         real(*args, **kwargs)
         sys.stdout.flush()
         ctrl_c()
-    _common.out_console.print = print_then_ctrl_c
+    common.out_console.print = print_then_ctrl_c
 elif sys.argv[1] == "during-work":
-    import deltastore.history
-    deltastore.history.version_log = ctrl_c
+    import deltastore.maintenance.history
+    deltastore.maintenance.history.version_log = ctrl_c
 elif sys.argv[1] == "before-work":  # outside handle_errors
     cli.parse_storage_options = ctrl_c
 sys.argv = ["deltastore", *sys.argv[2:]]

@@ -21,8 +21,10 @@ import zstandard
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from deltastore import Publisher, Subscriber, codecs
-from deltastore.codecs import (
+from deltastore import Publisher, Subscriber
+from deltastore.errors import DeltastoreError, FrameError
+from deltastore.format import codecs
+from deltastore.format.codecs import (
     CHUNK_BYTES,
     MAX_WINDOW_SIZE,
     RAW,
@@ -32,8 +34,7 @@ from deltastore.codecs import (
     FrameDecoder,
     FrameEncoder,
 )
-from deltastore.dtypes import word_dtype
-from deltastore.errors import DeltastoreError, FrameError
+from deltastore.format.dtypes import word_dtype
 
 SIZES = [1, 2, 4, 8]
 SEEDS = st.integers(0, 2**32 - 1)

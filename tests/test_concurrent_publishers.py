@@ -27,10 +27,10 @@ from deltastore import (
     VersionExistsError,
     VersionOrderError,
 )
-from deltastore.faults import FaultyStore, Op
-from deltastore.gc import find_orphans, gc
-from deltastore.manifest import LATEST_KEY, manifest_key, parse_latest, parse_manifest
-from tests.conformance import race
+from deltastore.format.manifest import LATEST_KEY, manifest_key, parse_latest, parse_manifest
+from deltastore.maintenance.orphans import find_orphans, gc
+from deltastore.testing.conformance import race
+from deltastore.testing.faults import FaultyStore, Op
 from tests.test_crash_publish import check_store, publisher, v1, written
 from tests.test_publisher import nudge, same_bits
 

@@ -40,10 +40,10 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from deltastore import DeltastoreError, LocalStore, ManifestError, Publisher, Subscriber
-from deltastore.cli import app
-from deltastore.faults import FaultyStore, InjectedFault, Op
-from deltastore.gc import find_orphans, gc
-from deltastore.manifest import MANIFEST_PREFIX, manifest_key, parse_manifest, version_of_key
+from deltastore.format.manifest import MANIFEST_PREFIX, manifest_key, parse_manifest, version_of_key
+from deltastore.maintenance.orphans import find_orphans, gc
+from deltastore.testing.faults import FaultyStore, InjectedFault, Op
+from deltastore_cli import app
 from tests.test_publisher import model, nudge, same_bits
 
 Tensors = dict[str, torch.Tensor]

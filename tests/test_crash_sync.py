@@ -42,10 +42,10 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from deltastore import Publisher
-from deltastore._folder_state import STAGING
-from deltastore.checkpoint import CheckpointError, MappedCheckpoint, locate
-from deltastore.folders import PENDING, SIDECAR, FolderSync, pull_checkpoint, read_state
-from deltastore.fsck import verify_checkout
+from deltastore.checkpoint.folders import PENDING, SIDECAR, FolderSync, pull_checkpoint, read_state
+from deltastore.checkpoint.safetensors import CheckpointError, MappedCheckpoint, locate
+from deltastore.checkpoint.state import STAGING
+from deltastore.maintenance.verify import verify_checkout
 
 ROOT = Path(__file__).parent.parent
 Tensors = dict[str, torch.Tensor]
@@ -179,11 +179,11 @@ def countdown(n: int) -> Callable[[], bool]:
 
 def install(point: str, n: int) -> None:
     """Patch deltastore so that this process kills itself at ``point`` (n-th occurrence)."""
-    import deltastore._pipeline as pipeline
-    import deltastore.checkpoint as checkpoint
-    import deltastore.folders as folders
-    import deltastore.subscriber as subscriber
-    from deltastore.codecs import FrameDecoder
+    import deltastore.checkpoint.folders as folders
+    import deltastore.checkpoint.safetensors as checkpoint
+    import deltastore.sync.fetch as pipeline
+    import deltastore.sync.subscriber as subscriber
+    from deltastore.format.codecs import FrameDecoder
 
     hit = countdown(n)
     if point == "fetch":  # the n-th frame's bytes arrived, before they are checked
@@ -519,7 +519,7 @@ def test_a_killed_repair_is_repaired(crash: Crash) -> None:
 
 
 def test_repair_is_reported_on_the_command_line(crash: Crash) -> None:
-    from deltastore.cli import app
+    from deltastore_cli import app
 
     dest = crash.killed(3, 4, "write", 2)
     broken = sorted(n for n, v in where(dest, crash.states, (3, 4)).items() if v is None)

@@ -8,7 +8,7 @@ fetched and the errors they saw to JSON files the test then checks across ranks.
 
 Every worker also reports the gloo threads left after ``destroy_process_group()``: a
 process group that outlives it (something still references it) keeps them running into
-interpreter shutdown, where a late one aborts the process (see ``deltastore._group``).
+interpreter shutdown, where a late one aborts the process (see ``deltastore.sync.group``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from deltastore import IntegrityError, LocalStore, Publisher, RankError, Store, Subscriber
-from deltastore.layout import Layout, fuse, shard
-from deltastore.manifest import manifest_key, parse_manifest
+from deltastore.format.manifest import manifest_key, parse_manifest
+from deltastore.layout.boxes import Layout, fuse, shard
 from deltastore.store import open_store
 from tests.test_stores_e2e import CountingStore, s3
 

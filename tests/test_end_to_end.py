@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from deltastore import Publisher, Subscriber
-from deltastore.manifest import manifest_key, parse_latest
-from deltastore.synthetic import TINY, AdamWTrajectory
+from deltastore.format.manifest import manifest_key, parse_latest
+from deltastore.testing.synthetic import TINY, AdamWTrajectory
 
 SCHEMA = Path(__file__).parent.parent / "manifests" / "schema" / "manifest.v1.schema.json"
 VERSIONS = 6

@@ -1,7 +1,7 @@
 """Checkpoint folders, memory-mapped safetensors, and the publisher's disk snapshot.
 
-Library-level tests of ``deltastore.checkpoint``, ``deltastore.folders`` and
-``deltastore._snapshot``: sharded creation, bit-exact reading of files written by safetensors
+Library-level tests of ``deltastore.checkpoint.safetensors``, ``deltastore.checkpoint.folders`` and
+``deltastore.publish.snapshot``: sharded creation, bit-exact reading of files written by safetensors
 itself, copy-on-write read maps, a publisher that survives restarts through ``state_dir``,
 failed pulls that leave the folder at its last recorded version, ``watch_checkpoint`` with a
 stop event, and progress callbacks. Tensors are compared bit-wise through integer views.
@@ -25,7 +25,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deltastore import Publisher, Subscriber
-from deltastore.checkpoint import (
+from deltastore.checkpoint.folders import (
+    SIDECAR,
+    FolderSync,
+    publish_checkpoint,
+    pull_checkpoint,
+    read_state,
+    watch_checkpoint,
+)
+from deltastore.checkpoint.safetensors import (
     INDEX_NAME,
     SINGLE_NAME,
     CheckpointError,
@@ -36,19 +44,11 @@ from deltastore.checkpoint import (
     read_header,
     table_of,
 )
-from deltastore.dtypes import DTYPES
 from deltastore.errors import DeltastoreError, IntegrityError, ObjectNotFoundError
-from deltastore.folders import (
-    SIDECAR,
-    FolderSync,
-    publish_checkpoint,
-    pull_checkpoint,
-    read_state,
-    watch_checkpoint,
-)
-from deltastore.manifest import manifest_key, parse_manifest
+from deltastore.format.dtypes import DTYPES
+from deltastore.format.manifest import manifest_key, parse_manifest
 from deltastore.progress import Progress
-from deltastore.synthetic import TINY, AdamWTrajectory
+from deltastore.testing.synthetic import TINY, AdamWTrajectory
 
 Tensors = dict[str, torch.Tensor]
 WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -711,7 +711,7 @@ def test_watch_stops_on_a_lost_data_object(store: Path, tmp_path: Path) -> None:
 def test_publish_that_cannot_save_its_state_still_reports_the_commit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, states: list[Tensors]
 ) -> None:
-    from deltastore._snapshot import DiskSnapshot
+    from deltastore.publish.snapshot import DiskSnapshot
 
     pub = Publisher(tmp_path / "store", snapshot="disk", state_dir=tmp_path / "state")
     pub.publish(states[0], version=1)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from deltastore import Subscriber
-from deltastore.fsck import verify_store
-from deltastore.manifest import manifest_key, parse_latest, parse_manifest
+from deltastore.format.manifest import manifest_key, parse_latest, parse_manifest
+from deltastore.maintenance.verify import verify_store
 from tests.golden.make_spec_example import ROOT, build
 
 SPEC = (Path(__file__).parent.parent / "docs" / "spec" / "format-v1.md").read_text()

@@ -68,14 +68,12 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import deltastore.codecs as codecs
-import deltastore.manifest as manifest_module
+import deltastore.format.codecs as codecs
+import deltastore.format.manifest as manifest_module
 import tests.test_bad_input as bad_input
 import tests.test_codecs as test_codecs
 import tests.test_schema as test_schema
 from deltastore import Subscriber
-from deltastore.codecs import CODECS, RAW, XOR_DENSE, XOR_SPARSE, FrameDecoder, FrameEncoder
-from deltastore.dtypes import word_dtype
 from deltastore.errors import (
     DeltastoreError,
     FrameError,
@@ -84,7 +82,9 @@ from deltastore.errors import (
     ManifestError,
     TensorMismatchError,
 )
-from deltastore.manifest import manifest_key, parse_latest, parse_manifest
+from deltastore.format.codecs import CODECS, RAW, XOR_DENSE, XOR_SPARSE, FrameDecoder, FrameEncoder
+from deltastore.format.dtypes import word_dtype
+from deltastore.format.manifest import manifest_key, parse_latest, parse_manifest
 from tests.test_bad_input import (  # noqa: F401 - fixtures used by name
     BIG,
     World,
@@ -1008,7 +1008,7 @@ def test_decoder_under_an_address_space_limit(tmp_path: Path) -> None:
             """
             import resource, struct, sys
             import numpy as np
-            from deltastore.codecs import FrameDecoder
+            from deltastore.format.codecs import FrameDecoder
             from deltastore.errors import FrameError
             sys.path.insert(0, sys.argv[1])
             from tests.test_hostile import SPARSE_ONE, zstd_frame

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import deltastore.subscriber
+import deltastore.sync.subscriber
 from deltastore import (
     IntegrityError,
     Layout,
@@ -23,7 +23,7 @@ from deltastore import (
     shard,
     stack,
 )
-from deltastore.layout import Fuse, Part, Replicate, Shard, Stack, covered
+from deltastore.layout.boxes import Fuse, Part, Replicate, Shard, Stack, covered
 
 # --- index math: every placement agrees with the same expression evaluated by torch ops -----
 
@@ -192,7 +192,7 @@ def test_scatter_failure_midway_is_rolled_back(
     v0, v1 = model(0), step(model(0), 1)
     pub.publish(v0, version=0)
     calls = {"n": 0}
-    real = deltastore.subscriber._scatter
+    real = deltastore.sync.subscriber._scatter
 
     def flaky(local: torch.Tensor, positions: np.ndarray, values: np.ndarray) -> None:
         calls["n"] += 1
@@ -204,14 +204,14 @@ def test_scatter_failure_midway_is_rolled_back(
     sub = Subscriber(tmp_path, layout=two_ranks())
     sub.sync()
     before = bits(sub.tensors)
-    monkeypatch.setattr(deltastore.subscriber, "_scatter", flaky)
+    monkeypatch.setattr(deltastore.sync.subscriber, "_scatter", flaky)
     failing = Subscriber(tmp_path, layout=two_ranks(), tensors=sub.tensors, version=0)
     pub.publish(v1, version=1)
     with pytest.raises(OSError, match="device lost"):
         failing.sync()
     assert failing.version == 0
     assert all(torch.equal(before[n], t.view(torch.int16)) for n, t in sub.tensors.items())
-    monkeypatch.setattr(deltastore.subscriber, "_scatter", real)
+    monkeypatch.setattr(deltastore.sync.subscriber, "_scatter", real)
     again = Subscriber(tmp_path, layout=two_ranks(), tensors=sub.tensors, version=0)
     again.sync()
     assert all(

@@ -28,8 +28,8 @@ from deltastore import (
     commit_parts,
     shard,
 )
-from deltastore.manifest import Manifest, manifest_key, parse_latest, parse_manifest
-from deltastore.sharded import abort_key, part_key, parts_prefix
+from deltastore.format.manifest import Manifest, manifest_key, parse_latest, parse_manifest
+from deltastore.publish.sharded import abort_key, part_key, parts_prefix
 from deltastore.store import LocalStore
 
 SCHEMA = json.loads(

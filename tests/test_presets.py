@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import deltastore.subscriber as subscriber
+import deltastore.sync.subscriber as subscriber
 from deltastore import Publisher, Subscriber
 from deltastore.errors import LayoutError, TensorMismatchError
-from deltastore.layout import Layout
-from deltastore.manifest import Manifest
-from deltastore.presets import ModelSpec, hf_shapes, padded_vocab, vllm_layout
+from deltastore.format.manifest import Manifest
+from deltastore.layout.boxes import Layout
+from deltastore.layout.presets import ModelSpec, hf_shapes, padded_vocab, vllm_layout
 from deltastore.store import open_store
-from deltastore.synthetic import AdamWTrajectory, ModelConfig
+from deltastore.testing.synthetic import AdamWTrajectory, ModelConfig
 from tests.test_stores_e2e import CountingStore
 
 VERSIONS = 5  # an anchor and 4 AdamW deltas

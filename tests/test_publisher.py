@@ -18,7 +18,7 @@ from deltastore import (
     VersionExistsError,
     VersionOrderError,
 )
-from deltastore.manifest import manifest_key, parse_latest, parse_manifest
+from deltastore.format.manifest import manifest_key, parse_latest, parse_manifest
 
 
 def model(seed: int, n: int = 50_000) -> dict[str, torch.Tensor]:

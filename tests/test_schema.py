@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 
 from deltastore import ManifestError, parse_manifest
-from deltastore.manifest import json_schema
-from deltastore.schema import main as schema_main
+from deltastore.format.manifest import json_schema
+from deltastore.format.schema import main as schema_main
 
 SCHEMA_DIR = Path(__file__).parent.parent / "manifests" / "schema"
 SCHEMA_FILE = SCHEMA_DIR / "manifest.v1.schema.json"

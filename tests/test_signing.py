@@ -38,10 +38,8 @@ from deltastore import (
     Subscriber,
     commit_parts,
 )
-from deltastore import signing as signing_module
-from deltastore.cli import app
-from deltastore.faults import FaultyStore
-from deltastore.manifest import (
+from deltastore.format import signing as signing_module
+from deltastore.format.manifest import (
     Manifest,
     TensorEntry,
     Writer,
@@ -49,13 +47,15 @@ from deltastore.manifest import (
     parse_manifest,
     state_digest,
 )
-from deltastore.signing import (
+from deltastore.format.signing import (
     SIGNING_KEY_ENV,
     parse_keys,
     resolve_keys,
     sign_manifest,
     verify_manifest,
 )
+from deltastore.testing.faults import FaultyStore
+from deltastore_cli import app
 
 SECRET = bytes(range(0x40, 0x60))  # 32 bytes
 KEY = SigningKey("trainer-2026", SECRET)

@@ -22,7 +22,7 @@ Faults, drawn from a seed (printed; ``DELTASTORE_SOAK_SEED`` overrides):
   hash of (seed, follower, attempt, operation, key, occurrence), not of thread timing, so a
   run is reproducible from its seed (up to how many more faults the other workers of a failed
   sync meet before they stop);
-- write failures: ``deltastore.subscriber._scatter`` is wrapped (before any subscriber takes
+- write failures: ``deltastore.sync.subscriber._scatter`` is wrapped (before any subscriber takes
   it) and, in ~8% of the syncs of a follower that is behind, the n-th scatter writes half its
   words and raises: the version must be rolled back;
 - killed pulls: at a few versions the folder's pull runs in a child forked by the helper of
@@ -62,16 +62,16 @@ import pytest
 import torch
 import xxhash
 
-import deltastore.subscriber
+import deltastore.sync.subscriber
 from deltastore import IntegrityError, LocalStore, Publisher, Subscriber
-from deltastore.checkpoint import MappedCheckpoint, locate
+from deltastore.checkpoint.folders import PENDING, FolderSync, read_state
+from deltastore.checkpoint.safetensors import MappedCheckpoint, locate
 from deltastore.errors import DeltastoreError
-from deltastore.faults import FaultyStore, InjectedFault, Op
-from deltastore.folders import PENDING, FolderSync, read_state
-from deltastore.fsck import verify_store
-from deltastore.gc import find_orphans, gc
-from deltastore.manifest import DATA_PREFIX, Manifest, manifest_key
-from deltastore.synthetic import AdamWTrajectory, ModelConfig
+from deltastore.format.manifest import DATA_PREFIX, Manifest, manifest_key
+from deltastore.maintenance.orphans import find_orphans, gc
+from deltastore.maintenance.verify import verify_store
+from deltastore.testing.faults import FaultyStore, InjectedFault, Op
+from deltastore.testing.synthetic import AdamWTrajectory, ModelConfig
 from tests.test_crash_sync import kill_server
 from tests.test_presets import engine_layout, engine_reference, tp_ranks
 
@@ -158,7 +158,7 @@ class InjectedWriteError(OSError):
 
 
 class FlakyScatter:
-    """Wraps ``deltastore.subscriber._scatter``; once armed with n, the n-th call writes half
+    """Wraps ``deltastore.sync.subscriber._scatter``; once armed with n, the n-th call writes half
     of its words and raises :class:`InjectedWriteError`."""
 
     def __init__(self, real: Callable[..., None]) -> None:
@@ -558,8 +558,8 @@ def test_soak(
         f"\nsoak: seed {SEED} (DELTASTORE_SOAK_SEED), {VERSIONS} versions "
         "(DELTASTORE_SOAK_VERSIONS)"
     )
-    flaky = FlakyScatter(deltastore.subscriber._scatter)
-    monkeypatch.setattr(deltastore.subscriber, "_scatter", flaky)  # before any Subscriber
+    flaky = FlakyScatter(deltastore.sync.subscriber._scatter)
+    monkeypatch.setattr(deltastore.sync.subscriber, "_scatter", flaky)  # before any Subscriber
     soak = Soak(tmp_path, killer, flaky)
     soak.run()
     c = soak.counts

@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 
 from deltastore.errors import ManifestError, UnsupportedFormatError
-from deltastore.manifest import (
+from deltastore.format.manifest import (
     CREATED_PATTERN,
     MAX_LATEST_BYTES,
     manifest_key,

@@ -80,7 +80,7 @@ def run(env: dict[str, str], *args: str | Path) -> subprocess.CompletedProcess[s
 
 def test_import_deltastore_imports_no_torch_typer_or_rich() -> None:
     code = (
-        "import json, sys, deltastore, deltastore.manifest; "
+        "import json, sys, deltastore, deltastore.format.manifest; "
         f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -164,7 +164,7 @@ def test_type_checking_imports_match_the_lazy_exports() -> None:
 
 
 def test_dtype_names_and_sizes_need_no_torch_and_match_torch() -> None:
-    from deltastore import dtypes
+    from deltastore.format import dtypes
 
     assert set(dtypes.ITEMSIZES) == set(dtypes.DTYPES)  # this torch has every format dtype
     for name, size in dtypes.ITEMSIZES.items():

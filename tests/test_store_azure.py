@@ -19,7 +19,7 @@ import pytest
 from deltastore.errors import PreconditionFailedError, StoreError, VersionExistsError
 from deltastore.store import open_store
 from deltastore.store.fsspec_store import RetryPolicy
-from tests.conformance import StoreTests, race
+from deltastore.testing.conformance import StoreTests, race
 from tests.servers import AZURITE_ACCOUNT, AZURITE_KEY, azurite, azurite_executable, free_port
 
 pytest.importorskip("adlfs")
@@ -242,7 +242,7 @@ def test_cli_credentials_as_documented(
     from safetensors.torch import save_file
     from typer.testing import CliRunner
 
-    from deltastore.cli import app
+    from deltastore_cli import app
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(logging.root, "handlers", logging.root.handlers[:])  # the CLI sets its own

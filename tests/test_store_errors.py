@@ -32,8 +32,6 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner, Result
 
 from deltastore import Publisher, Subscriber
-from deltastore.cli import _common as common
-from deltastore.cli import app
 from deltastore.errors import (
     BucketNotFoundError,
     ForkError,
@@ -41,10 +39,12 @@ from deltastore.errors import (
     PreconditionsIgnoredError,
     StoreError,
 )
-from deltastore.fsck import verify_store
-from deltastore.manifest import LATEST_KEY, MANIFEST_PREFIX, Latest, manifest_key
+from deltastore.format.manifest import LATEST_KEY, MANIFEST_PREFIX, Latest, manifest_key
+from deltastore.maintenance.verify import verify_store
 from deltastore.store import LocalStore, open_store
 from deltastore.store.fsspec_store import RetryPolicy
+from deltastore_cli import app
+from deltastore_cli import common as common
 from tests.servers import free_port, gcs_emulator
 
 pytest.importorskip("s3fs")
@@ -270,7 +270,7 @@ def test_publisher_unsafe_commits_for_every_store_type(
 def test_sharded_writers_and_commit_parts_take_unsafe_commits(
     s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from deltastore.sharded import RowSlice, ShardWriter, commit_parts
+    from deltastore.publish.sharded import RowSlice, ShardWriter, commit_parts
 
     store = ignoring_s3(s3_endpoint, monkeypatch)
     slices = {n: RowSlice.whole(t) for n, t in tensors(1).items()}
@@ -327,7 +327,7 @@ def test_unsafe_commit_read_back_detects_another_publishers_manifest(
 def test_cli_publish_reports_a_fork_with_a_non_zero_exit(
     gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    import deltastore.publisher as publisher_module
+    import deltastore.publish.publisher as publisher_module
 
     url = f"gs://e2e/{uuid.uuid4().hex[:8]}"
     commit = publisher_module.commit_manifest

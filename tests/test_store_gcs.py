@@ -19,7 +19,7 @@ pytest.importorskip("gcp_storage_emulator")
 from deltastore.errors import ObjectNotFoundError, StoreError
 from deltastore.store import open_store
 from deltastore.store.gcs import GCSStore
-from tests.conformance import StoreTests
+from deltastore.testing.conformance import StoreTests
 from tests.servers import gcs_emulator
 
 EMULATOR_IGNORES_PRECONDITIONS = (

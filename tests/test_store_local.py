@@ -10,7 +10,7 @@ import pytest
 
 from deltastore.errors import StoreError, VersionExistsError
 from deltastore.store import LocalStore, open_store
-from tests.conformance import StoreTests
+from deltastore.testing.conformance import StoreTests
 
 
 class TestLocalStore(StoreTests):

@@ -10,7 +10,7 @@ import pytest
 from deltastore.errors import StoreError, VersionExistsError
 from deltastore.store import open_store
 from deltastore.store.s3 import S3Store
-from tests.conformance import StoreTests
+from deltastore.testing.conformance import StoreTests
 from tests.servers import moto_server
 
 pytest.importorskip("s3fs")

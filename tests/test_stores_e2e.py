@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from deltastore import Publisher, StoreError, Subscriber
-from deltastore.manifest import LATEST_KEY, manifest_key, parse_latest
+from deltastore.format.manifest import LATEST_KEY, manifest_key, parse_latest
 from deltastore.store import LocalStore, Store
 from deltastore.store.fsspec_store import RetryPolicy
-from deltastore.synthetic import TINY, AdamWTrajectory
+from deltastore.testing.synthetic import TINY, AdamWTrajectory
 from tests.servers import azurite, azurite_executable, gcs_emulator
 
 VERSIONS = 4

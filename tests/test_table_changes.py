@@ -31,14 +31,14 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from deltastore import Layout, LocalStore, Publisher, Subscriber
-from deltastore.checkpoint import create_checkpoint
-from deltastore.cli import app
-from deltastore.codecs import FrameDecoder
+from deltastore.checkpoint.folders import PENDING, SIDECAR, FolderSync, pull_checkpoint
+from deltastore.checkpoint.safetensors import create_checkpoint
 from deltastore.errors import ChainError, TableChangedError
-from deltastore.faults import FaultyStore, InjectedFault
-from deltastore.folders import PENDING, SIDECAR, FolderSync, pull_checkpoint
-from deltastore.fsck import verify_checkout
-from deltastore.manifest import manifest_key
+from deltastore.format.codecs import FrameDecoder
+from deltastore.format.manifest import manifest_key
+from deltastore.maintenance.verify import verify_checkout
+from deltastore.testing.faults import FaultyStore, InjectedFault
+from deltastore_cli import app
 
 Tensors = dict[str, torch.Tensor]
 WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -182,7 +182,7 @@ def test_a_sharded_folder_is_switched_to_a_single_file_and_back(
 ) -> None:
     """The old shards and index are gone after the switch; nothing but the new files stay
     (and the other way round). A version older than the folder's is refused."""
-    import deltastore.folders as folders
+    import deltastore.checkpoint.folders as folders
 
     dest = tmp_path / "dest"
     small = functools.partial(create_checkpoint, max_shard_bytes=2048)

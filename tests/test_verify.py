@@ -26,11 +26,10 @@ import zstandard
 from typer.testing import CliRunner, Result
 
 from deltastore import Publisher
-from deltastore.checkpoint import CheckpointError, MappedCheckpoint, locate
-from deltastore.cli import _common as common
-from deltastore.cli import app
-from deltastore.folders import SIDECAR, pull_checkpoint
-from deltastore.fsck import (
+from deltastore.checkpoint.folders import SIDECAR, pull_checkpoint
+from deltastore.checkpoint.safetensors import CheckpointError, MappedCheckpoint, locate
+from deltastore.format.manifest import LATEST_KEY, manifest_key
+from deltastore.maintenance.verify import (
     ADLER32,
     CHAIN,
     LATEST,
@@ -47,8 +46,9 @@ from deltastore.fsck import (
     verify_checkout,
     verify_store,
 )
-from deltastore.manifest import LATEST_KEY, manifest_key
 from deltastore.progress import Progress
+from deltastore_cli import app
+from deltastore_cli import common as common
 from tests.test_crash_sync import make_states
 
 Tensors = dict[str, torch.Tensor]

@@ -32,9 +32,9 @@ import zstandard
 from deltastore.bench.ops import CHUNK_BYTES, Differ, flat_buffer
 from deltastore.bench.schema import PublishTimes, SyncTimes
 from deltastore.bench.workload import Workload
-from deltastore.publisher import Publisher
+from deltastore.publish.publisher import Publisher
 from deltastore.store import Store
-from deltastore.subscriber import Subscriber
+from deltastore.sync.subscriber import Subscriber
 
 _LEN = struct.Struct("<Q")
 

@@ -39,7 +39,7 @@ import xxhash
 from pydantic import BaseModel, ConfigDict
 
 from deltastore.bench.ops import Differ
-from deltastore.synthetic import LARGE, MEDIUM, SMALL, ModelConfig
+from deltastore.testing.synthetic import LARGE, MEDIUM, SMALL, ModelConfig
 
 #: Benchmark sizes by name.
 SIZES: dict[str, ModelConfig] = {"small": SMALL, "medium": MEDIUM, "large": LARGE}

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from deltastore.errors import InvalidKeyError, StoreError
-from deltastore.manifest import KEY_PATTERN
+from deltastore.format.manifest import KEY_PATTERN
 
 _KEY = re.compile(KEY_PATTERN)
 MAX_KEY_LENGTH = 1024

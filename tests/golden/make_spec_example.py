@@ -15,7 +15,7 @@ import hashlib
 import sys
 from pathlib import Path
 
-from deltastore.manifest import (
+from deltastore.format.manifest import (
     Frame,
     Latest,
     Manifest,

@@ -1,0 +1,227 @@
+"""CLI plumbing: exit codes, error messages, progress bars, logging, option parsing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.text import Text
+
+from deltastore.errors import (
+    ChainError,
+    DeltastoreError,
+    FrameError,
+    IntegrityError,
+    InvalidKeyError,
+    ManifestError,
+    ObjectNotFoundError,
+    StoreError,
+    TensorMismatchError,
+    VersionExistsError,
+    VersionOrderError,
+    WrongParentError,
+)
+from deltastore.progress import Progress as ProgressEvent
+from deltastore.progress import ProgressFn
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 3
+EXIT_STORE = 4
+EXIT_DAMAGED = 5
+EXIT_MISMATCH = 6
+EXIT_CONFLICT = 7
+EXIT_INTERRUPTED = 130
+
+#: First match wins: specific classes before their bases.
+EXIT_CODES: list[tuple[type[BaseException], int]] = [
+    (ObjectNotFoundError, EXIT_NOT_FOUND),
+    (VersionExistsError, EXIT_CONFLICT),
+    (StoreError, EXIT_STORE),
+    (IntegrityError, EXIT_DAMAGED),
+    (FrameError, EXIT_DAMAGED),
+    (ManifestError, EXIT_DAMAGED),
+    (InvalidKeyError, EXIT_DAMAGED),
+    (TensorMismatchError, EXIT_MISMATCH),
+    (WrongParentError, EXIT_MISMATCH),
+    (ChainError, EXIT_MISMATCH),
+    (VersionOrderError, EXIT_CONFLICT),
+]
+
+err_console = Console(stderr=True, soft_wrap=True)
+#: Tables keep their natural width when stdout is not a terminal (pipes, files, tests).
+out_console = Console(width=None if sys.stdout.isatty() else 1000, soft_wrap=True)
+
+
+@dataclass
+class Settings:
+    """Global options of one invocation."""
+
+    verbose: int = 0
+    quiet: bool = False
+
+
+def settings(ctx: typer.Context) -> Settings:
+    obj = ctx.find_root().obj
+    return obj if isinstance(obj, Settings) else Settings()
+
+
+def setup_logging(verbose: int) -> None:
+    """Log to stderr: rich columns on a terminal; one unwrapped line per record otherwise
+    (log files and pipes get whole messages, not text wrapped at 80 columns)."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    handler: logging.Handler
+    if err_console.is_terminal:
+        handler = RichHandler(console=err_console, show_path=False)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+        )
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+def exit_code(exc: BaseException) -> int:
+    for cls, code in EXIT_CODES:
+        if isinstance(exc, cls):
+            return code
+    return EXIT_ERROR
+
+
+@dataclass
+class Run:
+    """Where the process stands (one command per process)."""
+
+    #: Set by :func:`deltastore_cli.main`: the process ends with the command (not CliRunner).
+    console_script: bool = False
+    #: The command's outcome is decided: its work finished or failed.
+    settled: bool = False
+    #: "interrupted" was printed.
+    interrupt_reported: bool = False
+
+
+RUN = Run()
+
+
+def settle() -> None:
+    """The command's outcome is decided: from here on, in the console script, Ctrl-C is
+    ignored, so a result that is printed is the result the process exits with."""
+    RUN.settled = True
+    if RUN.console_script and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def report_interrupt() -> None:
+    """The one line printed for a Ctrl-C during a command's work (exit 130)."""
+    if not RUN.interrupt_reported:
+        RUN.interrupt_reported = True
+        err_console.print("interrupted", highlight=False)
+
+
+@contextmanager
+def handle_errors(ctx: typer.Context) -> Iterator[None]:
+    """Turn library errors into one clear line and a stable exit code (traceback with -v).
+
+    Wraps a command's work: when it ends, the outcome is settled (see :func:`settle`)."""
+    verbose = settings(ctx).verbose
+    try:
+        yield
+    except KeyboardInterrupt:
+        settle()
+        report_interrupt()
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except (DeltastoreError, OSError, ValueError) as exc:
+        settle()
+        if verbose:
+            err_console.print_exception()
+        err_console.print(Text.assemble(("error:", "red"), " ", str(exc)), highlight=False)
+        raise typer.Exit(exit_code(exc)) from None
+    settle()
+
+
+def parse_storage_options(
+    items: list[str] | None, *, timeout: float | None = None
+) -> dict[str, Any] | None:
+    """``KEY=VALUE`` pairs; VALUE is JSON when it parses (true, 3, "x"), else a string.
+    ``timeout`` (``--timeout``) becomes the ``timeout`` storage option, over ``-o timeout=``."""
+    if not items and timeout is None:
+        return None
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {item.split('=')[0]!r}...")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    if timeout is not None:
+        out["timeout"] = timeout
+    return out
+
+
+@contextmanager
+def progress_bar(ctx: typer.Context, description: str) -> Iterator[ProgressFn | None]:
+    """A rich progress bar on stderr (bytes and frames), or None when quiet or not a TTY."""
+    if settings(ctx).quiet or not err_console.is_terminal:
+        yield None
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TextColumn("{task.fields[frames]}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=err_console, transient=True) as bar:
+        task = bar.add_task(description, total=None, frames="")
+
+        def update(p: ProgressEvent) -> None:
+            bar.update(
+                task,
+                completed=p.bytes_done,
+                total=p.bytes_total,
+                frames=f"{p.frames_done}/{p.frames_total} frames",
+            )
+
+        yield update
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def human_bytes(n: float | None) -> str:
+    """``n`` bytes in decimal units (``12.29 kB``); "size unknown" for None (stores that do
+    not report sizes). Never rounds a nonzero size to "0 B" or up to "1000 kB"."""
+    if n is None:
+        return "size unknown"
+    if abs(n) < 1000:
+        return f"{int(n)} B" if float(n).is_integer() else f"{n:.2f} B"
+    for unit in ("kB", "MB", "GB", "TB"):
+        n /= 1000
+        if abs(n) < 999.995 or unit == "TB":
+            return f"{n:.2f} {unit}"
+    raise AssertionError("unreachable")  # pragma: no cover

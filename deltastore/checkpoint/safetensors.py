@@ -1,0 +1,271 @@
+"""Safetensors checkpoint folders as memory-mapped tensors: read for publish, write in place.
+
+A checkpoint is one ``.safetensors`` file or an HF-style folder (``model.safetensors`` or
+``model.safetensors.index.json`` + shards). Tensors are ``numpy.memmap`` views of the files
+wrapped by torch without copying: nothing is read into RAM until touched, and writes to a
+writable view land in the file (the page cache) in place.
+
+Tensor data need not be aligned to its dtype (safetensors does not require it; other writers
+than deltastore may leave a header whose length is not a multiple of 8). A read-only map gives
+an unaligned tensor as an aligned in-memory copy of its bytes (the only tensors read into RAM
+up front); a writable map gives it as a view of the file's bytes at their unaligned address,
+so writes still land in the file in place (torch and numpy read and write unaligned CPU memory
+correctly). Files deltastore creates are always aligned.
+
+File layout (safetensors): ``<u64 LE header length N><N bytes JSON header><data>``; the header
+maps each name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` relative to the data.
+
+Not thread-safe for writes to the same folder; call order for in-place updates: open writable
+tensors, modify them, :func:`flush`, then record the new state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from deltastore.errors import TensorMismatchError
+from deltastore.format.dtypes import dtype_from_name, dtype_name, itemsize
+
+if TYPE_CHECKING:
+    import torch
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MAX_HEADER_BYTES = 100 << 20
+
+#: safetensors dtype codes by torch format name.
+_ST_CODES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "uint16": "U16",
+    "int32": "I32",
+    "uint32": "U32",
+    "int64": "I64",
+    "uint64": "U64",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float32": "F32",
+    "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e8m0fnu": "F8_E8M0",
+}
+_ST_NAMES = {code: name for name, code in _ST_CODES.items()}
+
+
+class CheckpointError(TensorMismatchError):
+    """A checkpoint file or folder is missing, malformed or not what was expected."""
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where one tensor's bytes live: absolute byte range ``[start, stop)`` of ``path``."""
+
+    path: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+
+def checkpoint_files(src: str | os.PathLike[str]) -> list[Path]:
+    """The ``.safetensors`` files of a checkpoint file or folder, in index order."""
+    path = Path(src)
+    if path.is_file():
+        return [path]
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index ({exc})") from None
+        files = [path / n for n in names]
+    elif (path / SINGLE_NAME).is_file():
+        files = [path / SINGLE_NAME]
+    elif path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+    else:
+        raise CheckpointError(f"{path} is neither a .safetensors file nor a checkpoint folder")
+    for f in files:
+        if not f.is_file() or os.path.basename(f) != f.name or ".." in f.parts:
+            raise CheckpointError(f"checkpoint file {f} is missing")
+    if not files:
+        raise CheckpointError(f"{path} holds no .safetensors file")
+    return files
+
+
+def read_header(path: Path) -> dict[str, TensorLocation]:
+    """Parse one safetensors file's header into tensor locations (validated)."""
+    try:
+        with open(path, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: header of {n} bytes is too large")
+            header = json.loads(fh.read(n))
+            size = os.fstat(fh.fileno()).st_size
+    except (OSError, struct.error, ValueError) as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    base = 8 + n
+    out: dict[str, TensorLocation] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _ST_NAMES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has an unsupported entry {info!r}"
+            ) from None
+        nbytes = math.prod(shape) * itemsize(dtype)
+        if end - begin != nbytes or begin < 0 or base + end > size:
+            raise CheckpointError(f"{path}: tensor {name!r} has inconsistent data_offsets")
+        out[name] = TensorLocation(path, dtype, shape, base + begin, base + end)
+    return out
+
+
+def locate(src: str | os.PathLike[str]) -> dict[str, TensorLocation]:
+    """Every tensor of a checkpoint file or folder; duplicates across shards are an error."""
+    out: dict[str, TensorLocation] = {}
+    for f in checkpoint_files(src):
+        for name, loc in read_header(f).items():
+            if name in out:
+                raise CheckpointError(f"tensor {name!r} is in both {out[name].path} and {f}")
+            out[name] = loc
+    return out
+
+
+class MappedCheckpoint:
+    """Memory-mapped torch tensors over checkpoint files (zero-copy).
+
+    ``writable=True`` maps the files shared read-write: writes to :attr:`tensors` go to the
+    files; call :meth:`flush` to push them to disk. Read-only maps are copy-on-write, so the
+    files never change even if a tensor is written. A tensor whose data is not aligned to its
+    dtype is an aligned copy of its bytes in a read-only map, and a view of the file's bytes
+    at their unaligned address in a writable one (see the module docstring).
+    """
+
+    def __init__(self, locations: Mapping[str, TensorLocation], *, writable: bool = False) -> None:
+        import torch
+
+        self._maps: dict[Path, np.memmap] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, loc in locations.items():
+            dtype = dtype_from_name(loc.dtype)
+            if loc.stop == loc.start:
+                self.tensors[name] = torch.empty(loc.shape, dtype=dtype)
+                continue
+            if loc.path not in self._maps:
+                self._maps[loc.path] = np.memmap(
+                    loc.path, dtype=np.uint8, mode="r+" if writable else "c"
+                )
+            raw = self._maps[loc.path][loc.start : loc.stop]
+            if loc.start % dtype.itemsize and not writable:
+                raw = np.array(raw)  # a fresh buffer: aligned (numpy aligns to 16 bytes or more)
+            self.tensors[name] = torch.from_numpy(raw).view(dtype).reshape(loc.shape)
+
+    def flush(self) -> None:
+        """Write dirty pages of every mapped file to disk (msync)."""
+        for m in self._maps.values():
+            m.flush()
+
+
+def create_checkpoint(
+    dest: str | os.PathLike[str],
+    table: Mapping[str, tuple[str, tuple[int, ...]]],
+    *,
+    max_shard_bytes: int = 5 << 30,
+) -> dict[str, TensorLocation]:
+    """Create empty (sparse, zero-filled) safetensors files in ``dest`` for ``table``.
+
+    One ``model.safetensors`` when everything fits in ``max_shard_bytes``, otherwise shards
+    ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``. Tensors are
+    ordered by element size (largest first), then name, so every tensor is aligned.
+    """
+    unsupported = sorted({dtype for dtype, _ in table.values() if dtype not in _ST_CODES})
+    if unsupported:
+        raise CheckpointError(
+            f"safetensors cannot store dtypes {unsupported}; pull this store with the Python API "
+            "(Subscriber) instead of into a checkpoint folder"
+        )
+    folder = Path(dest)
+    folder.mkdir(parents=True, exist_ok=True)
+    order = sorted(table, key=lambda n: (-itemsize(table[n][0]), n))
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name in order:
+        dtype, shape = table[name]
+        nbytes = math.prod(shape) * itemsize(dtype)
+        if shards[-1] and used + nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += nbytes
+    names = (
+        [SINGLE_NAME]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    out: dict[str, TensorLocation] = {}
+    for fname, members in zip(names, shards, strict=True):
+        out |= _write_empty(folder / fname, {n: table[n] for n in members})
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(loc.stop - loc.start for loc in out.values())},
+            "weight_map": {n: out[n].path.name for n in sorted(out)},
+        }
+        (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return out
+
+
+def _write_empty(
+    path: Path, table: Mapping[str, tuple[str, tuple[int, ...]]]
+) -> dict[str, TensorLocation]:
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (dtype, shape) in table.items():
+        nbytes = math.prod(shape) * itemsize(dtype)
+        header[name] = {
+            "dtype": _ST_CODES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw)
+        fh.truncate(8 + len(raw) + offset)
+    return read_header(path)
+
+
+def table_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``name -> (dtype name, shape)`` of a tensor mapping."""
+    return {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
+
+
+__all__ = [
+    "CheckpointError",
+    "MappedCheckpoint",
+    "TensorLocation",
+    "checkpoint_files",
+    "create_checkpoint",
+    "locate",
+    "read_header",
+    "table_of",
+]

@@ -1,0 +1,122 @@
+"""Read-only views of a store for ``deltastore log`` and ``deltastore show``.
+
+Only manifests are read, never tensor data, so nothing here imports torch: ``deltastore log``
+and ``show`` start in well under a second.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from deltastore.errors import ManifestError, ManifestNotFoundError, ObjectNotFoundError
+from deltastore.format.manifest import (
+    MANIFEST_PREFIX,
+    Manifest,
+    manifest_key,
+    parse_manifest,
+    version_of_key,
+)
+from deltastore.format.ratios import SizeRatios
+from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys, verify_manifest
+from deltastore.store import Store, open_store
+
+
+class ManifestReader:
+    """A store's committed versions and their manifests, checked as a
+    :class:`~deltastore.Subscriber` checks them (format v1 validation, the signature when a
+    signing key is given or set in ``DELTASTORE_SIGNING_KEY``, the version the key names)."""
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str] | Store,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        signing_key: KeyOption = FROM_ENV,
+    ) -> None:
+        self.store = open_store(url, storage_options)
+        self._keys = resolve_keys(signing_key)
+
+    def versions(self) -> list[int]:
+        """Every committed version, ascending (a committed version is one whose manifest exists)."""
+        keys = self.store.list(MANIFEST_PREFIX)
+        return sorted(v for k in keys if (v := version_of_key(k)) is not None)
+
+    def manifest(self, version: int) -> Manifest:
+        """The parsed, validated manifest of ``version``."""
+        key = manifest_key(version)
+        try:
+            data = self.store.get(key)
+        except ObjectNotFoundError:
+            raise ManifestNotFoundError(
+                f"version {version} is not committed in store {self.store.url}"
+            ) from None
+        m = parse_manifest(data, key=key)
+        verify_manifest(m, self._keys, version=version, name=key)
+        if m.version != version:
+            raise ManifestError(f"{key} claims version {m.version}; the store is damaged")
+        return m
+
+
+@dataclass(frozen=True)
+class VersionSummary(SizeRatios):
+    """One committed version as ``deltastore log`` lists it. Sizes in bytes."""
+
+    version: int
+    kind: str
+    parent: int | None
+    changed_elements: int
+    total_elements: int
+    payload_bytes: int
+    dense_bytes: int
+    frames: int
+    created: str
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain dict for ``--json`` output, with the derived ratios."""
+        return asdict(self) | {
+            "changed_fraction": self.changed_fraction,
+            "payload_ratio": self.payload_ratio,
+        }
+
+
+def version_log(
+    url: str | os.PathLike[str] | Store,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    limit: int | None = None,
+) -> list[VersionSummary]:
+    """Committed versions, newest first (at most ``limit``), read from their manifests."""
+    reader = ManifestReader(url, storage_options=storage_options)
+    versions = reader.versions()[::-1]
+    out = []
+    for v in versions[:limit] if limit is not None else versions:
+        m = reader.manifest(v)
+        out.append(
+            VersionSummary(
+                version=m.version,
+                kind=m.kind,
+                parent=m.parent.version if m.parent else None,
+                changed_elements=m.changed_elements,
+                total_elements=m.total_elements,
+                payload_bytes=m.payload_bytes,
+                dense_bytes=m.dense_bytes,
+                frames=sum(len(t.frames) for t in m.tensors.values()),
+                created=m.created,
+            )
+        )
+    return out
+
+
+def show_manifest(
+    url: str | os.PathLike[str] | Store,
+    version: int,
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> Manifest:
+    """The checked manifest of ``version`` (``deltastore show``)."""
+    return ManifestReader(url, storage_options=storage_options).manifest(version)
+
+
+__all__ = ["ManifestReader", "VersionSummary", "show_manifest", "version_log"]

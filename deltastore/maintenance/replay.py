@@ -1,0 +1,187 @@
+"""The deep check of a store (``deltastore verify --deep``, :mod:`deltastore.maintenance.verify`).
+
+Each tensor is replayed through every version in memory, one tensor at a time: an anchor's
+frames are decoded into a buffer of the tensor's words, each delta's frames applied to the
+buffer at its parent. Every frame's Adler-32 (and, for a delta, its parent's and its count of
+changed elements) and every version's per-tensor Adler-32 are checked. Memory: one tensor's
+words and one stored frame (plus the decoder's buffers), whatever the model size. Where a
+version's parent is not the version last replayed (a branch), the parent is replayed again
+from its anchor. Frames the fast pass found missing or damaged are skipped: that tensor is not
+replayed again until the next anchor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+import numpy as np
+import xxhash
+
+from deltastore.errors import FrameError, ObjectNotFoundError
+from deltastore.format.checksum import adler32
+from deltastore.format.codecs import RAW, XOR_SPARSE, FrameDecoder
+from deltastore.format.dtypes import itemsize, word_dtype
+from deltastore.format.manifest import Frame, Manifest, TensorEntry, manifest_key
+from deltastore.progress import Ticker
+from deltastore.store import Store
+
+#: A frame does not decode, or changes another number of elements than it says.
+FRAME: Final = "frame"
+#: Bytes whose Adler-32 is not the manifest's.
+ADLER32: Final = "adler32"
+#: Called for each problem: kind, version, key, message, tensor.
+Report = Callable[[str, int, str, str, str], object]
+
+
+class Replay:
+    """Deep check: replay each tensor's chain in memory, one tensor at a time."""
+
+    def __init__(
+        self,
+        store: Store,
+        manifests: dict[int, Manifest],
+        bad: set[tuple[str, int]],
+        report: Report,
+        ticker: Ticker,
+    ) -> None:
+        self.store, self.manifests, self.bad = store, manifests, bad
+        self.report, self.ticker = report, ticker
+        self.found = 0
+        self.dec = FrameDecoder()
+        self.nbytes = 0
+
+    def run(self) -> tuple[int, int]:
+        """(tensor checksums checked, (version, tensor) pairs not reached)."""
+        checked = unverified = 0
+        names = dict.fromkeys(n for v in sorted(self.manifests) for n in self.manifests[v].tensors)
+        for name in names:
+            state: tuple[int, np.ndarray] | None = None  # (version, words) of this tensor
+            failed: set[int] = set()  # versions whose replay of this tensor failed
+            for v, m in sorted(self.manifests.items()):
+                entry = m.tensors.get(name)
+                if entry is None:
+                    continue
+                parent = m.parent.version if m.parent is not None else None
+                if m.kind == "delta" and (state is None or state[0] != parent):
+                    state = None  # drop it before another copy is rebuilt
+                buf = self._base(name, m, entry, state[1] if state else None, failed)
+                before = self.found
+                if buf is not None and self._apply(name, m, entry, buf, report=True):
+                    state = (v, buf)
+                    checked += 1
+                    continue
+                state = None
+                failed.add(v)
+                unverified += self.found == before  # not reached: a problem upstream
+        return checked, unverified
+
+    def _base(
+        self,
+        name: str,
+        m: Manifest,
+        entry: TensorEntry,
+        held: np.ndarray | None,
+        failed: set[int],
+    ) -> np.ndarray | None:
+        """The buffer to apply ``m`` to: for a delta, ``held`` (the tensor at the parent) or
+        the parent rebuilt from its anchor; for an anchor, any buffer of the right size."""
+        words = word_dtype(itemsize(entry.dtype))
+        if m.kind == "anchor":
+            if held is not None and held.size == entry.numel and held.dtype == words:
+                return held
+            return np.zeros(entry.numel, dtype=words)
+        if held is not None:
+            return held
+        chain: list[Manifest] = []
+        v = m.parent.version if m.parent is not None else None
+        while v is not None:
+            parent = self.manifests.get(v)
+            if parent is None or v in failed or name not in parent.tensors:
+                return None
+            chain.append(parent)
+            v = None if parent.kind == "anchor" or parent.parent is None else parent.parent.version
+        if not chain or chain[-1].kind != "anchor":
+            return None
+        buf = np.zeros(entry.numel, dtype=words)
+        for step in reversed(chain):  # already checked (and reported) on their own turn
+            if not self._apply(name, step, step.tensors[name], buf, report=False):
+                return None
+        return buf
+
+    def _problem(self, report: bool, kind: str, m: Manifest, key: str, msg: str, name: str) -> bool:
+        if report:
+            self.report(kind, m.version, key, msg, name)
+            self.found += 1
+        return False
+
+    def _apply(
+        self, name: str, m: Manifest, entry: TensorEntry, buf: np.ndarray, *, report: bool
+    ) -> bool:
+        """Apply one version of one tensor to ``buf``, checking its frames' and the tensor's
+        Adler-32; False (and a problem when ``report``) if anything does not match."""
+        size = itemsize(entry.dtype)
+        delta = m.kind == "delta"
+        for f in entry.frames:
+            where = f"frame {name}[{f.start}:{f.stop}]"
+            if (f.object, f.offset) in self.bad:
+                return False  # missing or damaged: listed by the fast pass
+            try:
+                data = self.store.get_range(f.object, f.offset, f.length)
+            except ObjectNotFoundError:
+                return False
+            self.nbytes += len(data)
+            if report:
+                self.ticker.tick(f.length)
+            if len(data) != f.length or xxhash.xxh3_64_hexdigest(data) != f.xxh3:
+                return False  # changed since the fast pass read it
+            seg = buf[f.start : f.stop]
+            if delta and f.parent_adler32 is not None and adler32(seg) != f.parent_adler32:
+                msg = f"{where}: the parent's bytes there do not have its parent_adler32"
+                return self._problem(report, ADLER32, m, f.object, msg, name)
+            try:
+                changed = self._decode(f, data, seg, size)
+            except FrameError as exc:
+                return self._problem(report, FRAME, m, f.object, f"{where}: {exc}", name)
+            if delta and changed != f.changed:
+                msg = f"{where} changes {changed} elements, the manifest says {f.changed}"
+                return self._problem(report, FRAME, m, f.object, msg, name)
+            got = adler32(seg)
+            if got != f.adler32:
+                msg = (
+                    f"{where} decodes to Adler-32 {got:08x}, the manifest says "
+                    f"{f.adler32:08x}: the frame holds other values than it should"
+                )
+                return self._problem(report, ADLER32, m, f.object, msg, name)
+        if delta and not entry.frames:  # unchanged: the parent's checksum, checked already
+            got = entry.parent_adler32 if entry.parent_adler32 is not None else adler32(buf)
+        else:
+            got = adler32(buf)
+        if got != entry.adler32:
+            msg = (
+                f"tensor {name} replays to Adler-32 {got:08x}, the manifest says "
+                f"{entry.adler32:08x}"
+            )
+            return self._problem(report, ADLER32, m, manifest_key(m.version), msg, name)
+        return True
+
+    def _decode(self, f: Frame, data: bytes, seg: np.ndarray, size: int) -> int:
+        """Apply one stored frame to ``seg`` (the frame's elements); return how many changed."""
+        n = f.stop - f.start
+        if f.codec == XOR_SPARSE:
+            pos, masks = self.dec.sparse(data, n, size, f.changed)
+            seg[pos] ^= masks
+            return int(pos.size)
+        changed = 0
+        for first, words in self.dec.chunks(data, n, size):
+            part = seg[first : first + words.size]
+            if f.codec == RAW:
+                changed += int(np.count_nonzero(part != words))
+                part[:] = words
+            else:
+                changed += int(np.count_nonzero(words))
+                part ^= words
+        return changed
+
+
+__all__ = ["ADLER32", "FRAME", "Replay"]

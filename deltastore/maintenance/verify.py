@@ -1,0 +1,570 @@
+"""Check a store, or a pulled checkpoint folder, for damage (``deltastore verify``).
+
+:func:`verify_store` reads every manifest under ``manifests/`` and checks, without decoding:
+
+- each manifest parses and validates (format v1, section 6) and names its own version;
+- each frame's object exists, holds ``length`` bytes at ``offset``, and those bytes have the
+  frame's XXH3-64 (frames are read with ``get_range``, one at a time per worker thread);
+- each delta's parent manifest exists, with the ``state_digest``, tensor table and per-tensor
+  Adler-32 the delta names; and each version's chain reaches an anchor;
+- ``LATEST``, when present, names a committed version with the SHA-256 of its manifest.
+
+With ``deep=True`` it also replays the chains in memory, one tensor at a time (memory: the
+largest tensor plus one frame, whatever the model size), decoding every frame and checking
+every frame's and every version's per-tensor Adler-32: this finds frames that are valid zstd
+with a matching hash but the wrong content (a broken writer), which the fast pass cannot.
+
+:func:`verify_checkout` checks a folder written by ``deltastore pull`` against its sidecar's
+version: the Adler-32 of every tensor, and with a store, the sidecar against that manifest.
+
+Both return a :class:`VerifyReport` listing each :class:`Problem` (``kind``, ``version``,
+``key``, ``message``); nothing is changed anywhere. Signatures of signed manifests are not
+checked here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import xxhash
+
+from deltastore.checkpoint.safetensors import CheckpointError, MappedCheckpoint, locate, table_of
+from deltastore.errors import ManifestError, ObjectNotFoundError
+from deltastore.format.manifest import (
+    DATA_PREFIX,
+    LATEST_KEY,
+    MANIFEST_PREFIX,
+    Frame,
+    Manifest,
+    manifest_key,
+    parse_latest,
+    parse_manifest,
+    version_of_key,
+)
+from deltastore.maintenance.replay import ADLER32, FRAME, Replay
+from deltastore.progress import ProgressFn, Ticker
+from deltastore.store import Store, open_store
+
+# --- problem kinds -------------------------------------------------------------------------
+#: A manifest that does not parse or validate, or claims another version than its key.
+MANIFEST: Final = "manifest"
+#: A data object a frame names does not exist.
+MISSING_OBJECT: Final = "missing-object"
+#: A data object is shorter than a frame's ``offset + length``.
+TRUNCATED: Final = "truncated"
+#: A frame's stored bytes do not have its XXH3-64.
+XXH3: Final = "xxh3"
+#: A delta's parent manifest is not in the store.
+MISSING_PARENT: Final = "missing-parent"
+#: A version's ``parent.state_digest`` is not its parent's ``state_digest``.
+PARENT_DIGEST: Final = "parent-digest"
+#: A delta names other tensors (names, dtypes, shapes) than its parent.
+PARENT_TABLE: Final = "parent-table"
+#: A tensor's ``parent_adler32`` is not the parent's ``adler32`` of that tensor.
+PARENT_ADLER32: Final = "parent-adler32"
+#: A version cannot be reached from an anchor: its chain breaks further up.
+CHAIN: Final = "chain"
+#: ``LATEST`` is damaged, or names a version that is missing or has other bytes.
+LATEST: Final = "latest"
+# FRAME (deep: a frame does not decode, or changes another number of elements than it says)
+# and ADLER32 (deep, checkout: bytes whose Adler-32 is not the manifest's or the sidecar's)
+# come from deltastore.maintenance.replay.
+#: (checkout) The folder holds other tensors, dtypes or shapes than its version.
+TABLE: Final = "table"
+#: (checkout) The sidecar disagrees with its version's manifest.
+SIDECAR_MISMATCH: Final = "sidecar"
+
+Mode = Literal["store", "deep", "checkout"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing found wrong. ``key``: the store key (manifest or data object), or for a
+    checkout the tensor's file; ``tensor``: the tensor concerned, if one is."""
+
+    kind: str
+    version: int | None
+    key: str | None
+    message: str
+    tensor: str | None = None
+
+    def line(self) -> str:
+        where = " ".join(
+            x for x in (f"v{self.version}" if self.version is not None else "", self.key or "") if x
+        )
+        return f"{self.kind}: {where + ': ' if where else ''}{self.message}"
+
+
+class _Found(list[Problem]):
+    """Problems found so far."""
+
+    def add(
+        self, kind: str, version: int | None, key: str | None, msg: str, tensor: str | None = None
+    ) -> bool:
+        """Append one; False (for ``return found.add(...)`` where a check fails)."""
+        self.append(Problem(kind, version, key, msg, tensor))
+        return False
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What :func:`verify_store` or :func:`verify_checkout` checked and found.
+
+    ``tensors_checked``: (version, tensor) pairs whose Adler-32 was recomputed (deep) or
+    tensors checked (checkout). ``unverified``: (version, tensor) pairs the deep replay could
+    not reach because of a problem already listed. ``orphans``: data objects no manifest
+    names (left by failed publishes; not damage: see ``deltastore gc --orphans``).
+    """
+
+    target: str
+    mode: Mode
+    versions: tuple[int, ...]
+    frames: int = 0
+    bytes_read: int = 0
+    tensors_checked: int = 0
+    unverified: int = 0
+    orphans: int = 0
+    problems: tuple[Problem, ...] = ()
+    elapsed_s: float = 0.0
+    kinds: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        """A store check that found no version at all: nothing was verified."""
+        return self.mode != "checkout" and not self.versions and not self.problems
+
+    @property
+    def ok(self) -> bool:
+        """No problem found, and (for a store) at least one version checked."""
+        return not self.problems and not self.empty
+
+    def summary(self) -> str:
+        what = "folder" if self.mode == "checkout" else "store"
+        if self.mode == "checkout":
+            parts = [
+                f"v{self.versions[0]}" if self.versions else "no version",
+                f"{self.tensors_checked} tensors",
+            ]
+        else:
+            parts = [f"{len(self.versions)} versions", f"{self.frames} frames"]
+            parts.append(f"{self.bytes_read} bytes read")
+            if self.mode == "deep":
+                parts.append(f"{self.tensors_checked} tensor checksums replayed")
+            if self.unverified:
+                parts.append(f"{self.unverified} not reached")
+            if self.orphans:
+                parts.append(f"{self.orphans} orphan objects")
+        count = f"{len(self.problems)} problem{'s' if len(self.problems) > 1 else ''}"
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.kinds.items()))
+        verdict = "ok" if self.ok else f"{count} ({kinds})"
+        if self.empty:
+            verdict = (
+                "holds no committed version, nothing verified (check the store URL; "
+                "publish a version first)"
+            )
+        return f"{what} {self.target}: {', '.join(parts)}: {verdict}"
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["versions"] = list(self.versions)
+        out["ok"] = self.ok
+        out["empty"] = self.empty
+        return out
+
+
+def _report(
+    target: str, mode: Mode, versions: Iterable[int], problems: _Found, t0: float, **kw: int
+) -> VerifyReport:
+    return VerifyReport(
+        target=target,
+        mode=mode,
+        versions=tuple(sorted(versions)),
+        problems=tuple(problems),
+        elapsed_s=time.perf_counter() - t0,
+        kinds=dict(Counter(p.kind for p in problems)),
+        **kw,
+    )
+
+
+# --- store ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """One frame as a manifest names it."""
+
+    version: int
+    tensor: str
+    frame: Frame
+
+    @property
+    def where(self) -> str:
+        return f"{self.tensor}[{self.frame.start}:{self.frame.stop}]"
+
+
+def verify_store(
+    url: str | os.PathLike[str] | Store,
+    *,
+    deep: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    progress: ProgressFn | None = None,
+    max_workers: int = 4,
+) -> VerifyReport:
+    """Check every committed version of the store at ``url`` (see the module docstring).
+
+    ``progress`` is called after each frame read (from worker threads, serialized), in stored
+    bytes. Store I/O errors other than a missing object are raised (:class:`StoreError`;
+    :class:`BucketNotFoundError` for a bucket that does not exist). A store without any
+    version gives a report that is not ``ok`` (``empty``): nothing could be verified.
+    """
+    t0 = time.perf_counter()
+    store = open_store(url, storage_options)
+    problems = _Found()
+    listed, manifests, shas = _read_manifests(store, problems)
+    _check_latest(store, manifests, shas, problems)
+    _check_chains(listed, manifests, problems)
+    refs = [
+        _Ref(v, name, f)
+        for v, m in sorted(manifests.items())
+        for name, e in m.tensors.items()
+        for f in e.frames
+    ]
+    total = sum(r.frame.length for r in refs)
+    ticker = Ticker(progress, len(refs) * (2 if deep else 1), total * (2 if deep else 1))
+    bad, nbytes = _check_objects(store, refs, problems, ticker, max_workers)
+    named = {r.frame.object for r in refs}
+    orphans = sum(k not in named for k in store.list(DATA_PREFIX))
+    checked = unverified = 0
+    if deep:
+        replay = Replay(store, manifests, bad, problems.add, ticker)
+        checked, unverified = replay.run()
+        nbytes += replay.nbytes
+    return _report(
+        store.url,
+        "deep" if deep else "store",
+        manifests,
+        problems,
+        t0,
+        frames=len(refs),
+        bytes_read=nbytes,
+        tensors_checked=checked,
+        unverified=unverified,
+        orphans=orphans,
+    )
+
+
+def _read_manifests(
+    store: Store, problems: _Found
+) -> tuple[set[int], dict[int, Manifest], dict[int, str]]:
+    """Listed versions, the manifests that parse, and the SHA-256 of their bytes."""
+    listed: set[int] = set()
+    manifests: dict[int, Manifest] = {}
+    shas: dict[int, str] = {}
+    for key in store.list(MANIFEST_PREFIX):
+        v = version_of_key(key)
+        if v is None:
+            continue  # not a version (format v1, section 3.2)
+        listed.add(v)
+        try:
+            data = store.get(key)
+            m = parse_manifest(data, key=key)
+        except ObjectNotFoundError:
+            problems.add(MANIFEST, v, key, "listed, but gone when read")
+            continue
+        except ManifestError as exc:
+            problems.add(MANIFEST, v, key, str(exc))
+            continue
+        if m.version != v:
+            problems.add(MANIFEST, v, key, f"claims version {m.version}")
+            continue
+        manifests[v], shas[v] = m, hashlib.sha256(data).hexdigest()
+    return listed, manifests, shas
+
+
+def _check_latest(
+    store: Store, manifests: dict[int, Manifest], shas: dict[int, str], problems: _Found
+) -> None:
+    try:
+        data = store.get(LATEST_KEY)
+    except ObjectNotFoundError:
+        return  # only a hint: a store may have none
+    try:
+        hint = parse_latest(data)
+    except ManifestError as exc:
+        problems.add(LATEST, None, LATEST_KEY, str(exc))
+        return
+    if hint.version not in manifests or hint.manifest != manifest_key(hint.version):
+        problems.add(
+            LATEST, hint.version, LATEST_KEY, f"names {hint.manifest}, not a good manifest"
+        )
+    elif shas[hint.version] != hint.sha256:
+        problems.add(
+            LATEST,
+            hint.version,
+            LATEST_KEY,
+            f"names version {hint.version} with another SHA-256 than its manifest's "
+            "(possible fork: two publishers may have committed this version)",
+        )
+
+
+def _same_table(a: Manifest, b: Manifest) -> bool:
+    return {n: (e.dtype, e.shape) for n, e in a.tensors.items()} == {
+        n: (e.dtype, e.shape) for n, e in b.tensors.items()
+    }
+
+
+def _check_link(m: Manifest, parent: Manifest, problems: _Found) -> bool:
+    """Check ``m`` against its parent's manifest; False when a delta cannot apply to it."""
+    key = manifest_key(m.version)
+    if m.parent is None:  # pragma: no cover - callers pass versions with a parent
+        return True
+    ok = True
+    if m.parent.state_digest != parent.state_digest:
+        problems.add(
+            PARENT_DIGEST,
+            m.version,
+            key,
+            f"names parent {parent.version} with state digest {m.parent.state_digest[:16]}…, "
+            f"the parent's is {parent.state_digest[:16]}…",
+        )
+        ok = False
+    if not _same_table(m, parent):
+        if m.kind == "delta":
+            problems.add(
+                PARENT_TABLE,
+                m.version,
+                key,
+                f"names other tensors, dtypes or shapes than its parent {parent.version}",
+            )
+            ok = False
+        return ok or m.kind == "anchor"
+    for name, e in m.tensors.items():
+        if e.parent_adler32 is not None and e.parent_adler32 != parent.tensors[name].adler32:
+            problems.add(
+                PARENT_ADLER32,
+                m.version,
+                key,
+                f"parent_adler32 {e.parent_adler32:08x}, the parent {parent.version} says "
+                f"{parent.tensors[name].adler32:08x}",
+                name,
+            )
+            ok = False
+    return ok or m.kind == "anchor"
+
+
+def _check_chains(listed: set[int], manifests: dict[int, Manifest], problems: _Found) -> None:
+    """Every delta's link to its parent, and whether each version reaches an anchor."""
+    reach: dict[int, bool] = {}
+    breaks: dict[int, int] = {}  # unreachable version -> where its chain breaks
+    for v in sorted(listed):
+        m = manifests.get(v)
+        if m is None:  # damaged manifest: already listed
+            reach[v], breaks[v] = False, v
+            continue
+        if m.parent is None:
+            reach[v] = True
+            continue
+        p = m.parent.version
+        parent = manifests.get(p)
+        if parent is None:
+            link = m.kind == "anchor"  # an anchor does not need its parent
+            if not link and p not in listed:
+                problems.add(MISSING_PARENT, v, manifest_key(v), f"parent version {p} is missing")
+            elif not link:
+                problems.add(CHAIN, v, manifest_key(v), f"its parent version {p} is damaged")
+        else:
+            link = _check_link(m, parent, problems)
+        if m.kind == "anchor":
+            reach[v] = True
+        elif not link:
+            reach[v], breaks[v] = False, v
+        elif reach.get(p, False):
+            reach[v] = True
+        else:
+            reach[v], breaks[v] = False, breaks.get(p, p)
+            problems.add(
+                CHAIN,
+                v,
+                manifest_key(v),
+                f"cannot be reached from an anchor: its chain breaks at version {breaks[v]}",
+            )
+
+
+def _check_objects(
+    store: Store, refs: list[_Ref], problems: _Found, ticker: Ticker, workers: int
+) -> tuple[set[tuple[str, int]], int]:
+    """Read every frame; return the ``(object, offset)`` of those that are missing or bad,
+    and the bytes read."""
+    by_object: dict[str, list[_Ref]] = {}
+    for r in refs:
+        by_object.setdefault(r.frame.object, []).append(r)
+
+    def check(key: str) -> tuple[list[Problem], set[tuple[str, int]], int]:
+        found = _Found()
+        bad: set[tuple[str, int]] = set()
+        nbytes = 0
+        frames = sorted(by_object[key], key=lambda r: r.frame.offset)
+        versions = sorted({r.version for r in frames})
+        short: list[tuple[_Ref, int]] = []
+        for r in frames:
+            f = r.frame
+            try:
+                data = store.get_range(key, f.offset, f.length)
+            except ObjectNotFoundError:
+                tensors = sorted({r.tensor for r in frames})
+                found.add(
+                    MISSING_OBJECT,
+                    versions[0],
+                    key,
+                    f"missing; {len(frames)} frames of {len(tensors)} tensors "
+                    f"({', '.join(tensors[:3])}{', …' if len(tensors) > 3 else ''}) are in it",
+                )
+                ticker.tick(sum(r.frame.length for r in frames), len(frames))
+                return found, {(key, r.frame.offset) for r in frames}, nbytes
+            nbytes += len(data)
+            ticker.tick(f.length)
+            if len(data) < f.length:
+                short.append((r, len(data)))
+                bad.add((key, f.offset))
+            elif xxhash.xxh3_64_hexdigest(data) != f.xxh3:
+                found.add(
+                    XXH3,
+                    r.version,
+                    key,
+                    f"frame {r.where} at offset {f.offset} has another XXH3-64 than "
+                    f"{f.xxh3}: its bytes are damaged",
+                    r.tensor,
+                )
+                bad.add((key, f.offset))
+        if short:
+            r, got = short[0]
+            found.add(
+                TRUNCATED,
+                r.version,
+                key,
+                f"ends at byte {r.frame.offset + got}: frame {r.where} needs "
+                f"{r.frame.length} bytes at offset {r.frame.offset}; {len(short)} frames "
+                "are cut short or missing",
+                r.tensor,
+            )
+        return found, bad, nbytes
+
+    out: set[tuple[str, int]] = set()
+    total = 0
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="deltastore-verify") as pool:
+        for found, bad, nbytes in pool.map(check, sorted(by_object)):
+            problems += found
+            out |= bad
+            total += nbytes
+    return out, total
+
+
+# --- checkout ------------------------------------------------------------------------------
+
+
+def verify_checkout(
+    dest: str | os.PathLike[str],
+    url: str | os.PathLike[str] | Store | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> VerifyReport:
+    """Check the folder ``dest`` (written by ``deltastore pull``) against its sidecar's
+    version: every tensor's Adler-32 (one read of the folder). With ``url``, the expected
+    table and checksums come from that version's manifest in the store, and the sidecar is
+    checked against it. Raises :class:`CheckpointError` when ``dest`` has no (readable)
+    sidecar or its files are not a checkpoint."""
+    from deltastore.checkpoint.folders import (  # imports torch
+        PENDING,
+        SIDECAR,
+        checksums,
+        read_state,
+    )
+
+    t0 = time.perf_counter()
+    folder = Path(dest)
+    state = read_state(folder)
+    if state is None:
+        raise CheckpointError(f"{folder} holds no {SIDECAR}: it is not a folder deltastore pulled")
+    files = locate(folder)
+    tensors = MappedCheckpoint(files).tensors
+    problems = _Found()
+    expected = dict(state.adler32)
+    if url is not None:
+        store = open_store(url, storage_options)
+        key = manifest_key(state.version)
+        m = parse_manifest(store.get(key), key=key)
+        expected = {n: e.adler32 for n, e in m.tensors.items()}
+        if state.state_digest != m.state_digest or state.adler32 != expected:
+            problems.add(
+                SIDECAR_MISMATCH,
+                state.version,
+                SIDECAR,
+                f"the sidecar's state digest or checksums are not those of {key}",
+            )
+        have = table_of(tensors)
+        for name, e in m.tensors.items():
+            if name in have and have[name] != (e.dtype, tuple(e.shape)):
+                problems.add(
+                    TABLE,
+                    state.version,
+                    None,
+                    f"is {have[name][0]}{list(have[name][1])} in the folder, "
+                    f"{e.dtype}{e.shape} in the manifest",
+                    name,
+                )
+    interrupted = (folder / PENDING).exists()
+    hint = "; a pull was interrupted here: `deltastore pull` repairs it" if interrupted else ""
+    for name in sorted(set(expected) ^ set(tensors)):
+        where = "missing from the folder" if name in expected else "not in that version"
+        problems.add(TABLE, state.version, None, f"tensor {name} is {where}", name)
+    found = checksums({n: t for n, t in tensors.items() if n in expected})
+    for name, value in sorted(found.items()):
+        if value != expected[name]:
+            problems.add(
+                ADLER32,
+                state.version,
+                files[name].path.name,
+                f"tensor {name} has Adler-32 {value:08x}, version {state.version} has "
+                f"{expected[name]:08x}{hint}",
+                name,
+            )
+    return _report(
+        str(folder),
+        "checkout",
+        [state.version],
+        problems,
+        t0,
+        tensors_checked=len(found),
+        bytes_read=sum(math.prod(t.shape) * t.element_size() for t in tensors.values()),
+    )
+
+
+__all__ = [
+    "ADLER32",
+    "CHAIN",
+    "FRAME",
+    "LATEST",
+    "MANIFEST",
+    "MISSING_OBJECT",
+    "MISSING_PARENT",
+    "PARENT_ADLER32",
+    "PARENT_DIGEST",
+    "PARENT_TABLE",
+    "SIDECAR_MISMATCH",
+    "TABLE",
+    "TRUNCATED",
+    "XXH3",
+    "Problem",
+    "VerifyReport",
+    "verify_checkout",
+    "verify_store",
+]

@@ -1,0 +1,220 @@
+"""The commit protocol shared by :class:`~deltastore.publish.publisher.Publisher` and the sharded
+writers: the store's head, version numbers, creating a manifest (the commit point) and
+advancing ``LATEST``. Functions are stateless; each store call is one request."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from datetime import datetime, timezone
+from typing import Literal
+
+from deltastore._version import __version__
+from deltastore.errors import (
+    ChainError,
+    DeltastoreError,
+    ForkError,
+    ManifestError,
+    ObjectNotFoundError,
+    PreconditionsIgnoredError,
+    StoreError,
+    VersionExistsError,
+    VersionOrderError,
+)
+from deltastore.format.manifest import (
+    LATEST_KEY,
+    MANIFEST_PREFIX,
+    MAX_MANIFEST_BYTES,
+    MAX_VERSION,
+    Latest,
+    Manifest,
+    Parent,
+    TensorEntry,
+    Writer,
+    manifest_key,
+    parse_latest,
+    state_digest,
+    version_of_key,
+)
+from deltastore.format.signing import SigningKey, sign_manifest
+from deltastore.store import Store
+
+log = logging.getLogger("deltastore.publish.publisher")
+
+
+def head_version(store: Store) -> int | None:
+    """The store's newest committed version (by listing ``manifests/``), or None."""
+    versions = [v for k in store.list(MANIFEST_PREFIX) if (v := version_of_key(k)) is not None]
+    return max(versions, default=None)
+
+
+def check_version_number(version: object) -> None:
+    """:class:`VersionOrderError` unless ``version`` is an integer in ``[0, MAX_VERSION]``."""
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+        raise VersionOrderError(
+            f"version must be an integer in [0, {MAX_VERSION}], got {version!r}"
+        )
+
+
+def commit_manifest(
+    store: Store,
+    *,
+    version: int,
+    kind: Literal["anchor", "delta"],
+    parent: Parent | None,
+    entries: dict[str, TensorEntry],
+    token: str,
+    signing_key: SigningKey | None = None,
+) -> tuple[Manifest, bytes]:
+    """Build the manifest of ``version`` (signed with ``signing_key`` when given) and create it
+    with ``put_if_absent`` (the commit point); returns it and its bytes. Nothing is written
+    when the model rejects it (``ValidationError``) or it is over the size readers accept
+    (:class:`ManifestError`); :class:`VersionExistsError` when another writer committed the
+    version first.
+
+    When the create raises a :class:`StoreError` (a lost response; or a retry of the request
+    that finds the first attempt's object), the manifest is read back: if it holds exactly
+    these bytes, the version is committed by this writer and the call succeeds; otherwise
+    the error is raised (the version is not this writer's; when even the read-back fails,
+    whether it is committed is unknown: see docs/guide.md, Several publishers)."""
+    manifest = Manifest(
+        format_version=1,
+        version=version,
+        kind=kind,
+        parent=parent,
+        state_digest=state_digest((n, e.dtype, e.shape, e.adler32) for n, e in entries.items()),
+        created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        writer=Writer(token=token, library=f"deltastore {__version__}"),
+        tensors=entries,
+    )
+    if signing_key is not None:
+        manifest = sign_manifest(manifest, signing_key)
+    body = manifest.to_bytes()
+    if len(body) > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            f"the manifest would be {len(body)} bytes, over the {MAX_MANIFEST_BYTES} readers "
+            "accept; raise max_frame_bytes to write fewer frames"
+        )
+    key = manifest_key(version)
+    try:
+        store.put_if_absent(key, body)
+    except StoreError:
+        # A lost response (or a retry that found our own first attempt): read the key back.
+        # The body holds this writer's random token and a timestamp, so equal bytes are ours.
+        if not _is_ours(store, key, body):
+            raise
+        log.info("version %d: the manifest create failed but the manifest is ours", version)
+    return manifest, body
+
+
+def _is_ours(store: Store, key: str, body: bytes) -> bool:
+    try:
+        return store.get(key) == body
+    except ObjectNotFoundError:
+        return False  # not committed
+    except DeltastoreError as exc:
+        log.warning("%s: commit state unknown, the manifest cannot be read back (%s)", key, exc)
+        return False
+
+
+def conditional_writes(store: Store, *, unsafe_commits: bool) -> bool:
+    """Before any upload: whether ``store`` enforces create-if-absent (True), or ignores it
+    and ``unsafe_commits`` (the writer's or the store's) accepts that (False: the commit must
+    then be read back, see :func:`confirm_commit`). :class:`PreconditionsIgnoredError` when
+    it ignores it and nothing accepts the risk."""
+    try:
+        return store.check_conditional_writes()
+    except PreconditionsIgnoredError:
+        if not unsafe_commits:
+            raise
+        return False
+
+
+def confirm_commit(store: Store, version: int, body: bytes) -> None:
+    """On a store that ignores preconditions: read the manifest of ``version`` back and raise
+    :class:`ForkError` unless it holds exactly ``body`` (this writer's bytes: its random token
+    and timestamp make them unique). Another publisher that wrote the same version meanwhile
+    overwrote it, and readers may hold either manifest: the chain has forked."""
+    key = manifest_key(version)
+    try:
+        ours = store.get(key) == body
+    except ObjectNotFoundError:
+        ours = False
+    if not ours:
+        raise ForkError(
+            f"version {version} in store {store.url} is not this publisher's: another "
+            "publisher wrote the same version at the same time (the store ignores "
+            "conditional-write preconditions, and --unsafe-commits / unsafe_commits=True "
+            "allows one publisher only). Stop the other publisher, check the store with "
+            "`deltastore verify`, then publish a higher version as an anchor"
+        )
+
+
+def check_head(store: Store, version: int, parent: Parent | None) -> None:
+    """Right before the commit: raise unless ``version`` would still extend the chain's head.
+
+    Lists the manifests after ``parent`` (all of them for an anchor without a parent):
+    :class:`VersionExistsError` when ``version`` is committed already,
+    :class:`VersionOrderError` when a newer version is, :class:`ChainError` when another
+    version was committed on ``parent`` (it is no longer the head). A version committed
+    between this listing and the manifest create is not seen (docs/guide.md, Several
+    publishers)."""
+    keys = (
+        store.list_after(MANIFEST_PREFIX, manifest_key(parent.version))
+        if parent is not None
+        else store.list(MANIFEST_PREFIX)
+    )
+    newer = {v for k in keys if (v := version_of_key(k)) is not None}
+    if version in newer:
+        raise VersionExistsError(
+            f"version {version} was committed by another writer in store {store.url}"
+        )
+    if max(newer, default=-1) > version:
+        raise VersionOrderError(
+            f"version {max(newer)} was committed in store {store.url} while version {version} "
+            "was being written; versions must increase strictly, nothing was committed"
+        )
+    if parent is not None and newer:
+        raise ChainError(
+            f"version {max(newer)} was committed on top of version {parent.version} while "
+            f"version {version} was being written with it as parent; nothing was committed: "
+            "attach() to the store again (CLI: --parent) or publish an anchor"
+        )
+
+
+def advance_latest(store: Store, version: int, body: bytes) -> None:
+    """Move ``LATEST`` forward with compare-and-swap; never backwards. Best effort: the
+    manifest is already committed and readers can always list ``manifests/``."""
+    latest = Latest(
+        format_version=1,
+        version=version,
+        manifest=manifest_key(version),
+        sha256=hashlib.sha256(body).hexdigest(),
+    )
+    for _ in range(8):
+        try:
+            current = store.get_with_token(LATEST_KEY)
+            if current is not None:
+                try:
+                    if parse_latest(current[0]).version >= version:
+                        return
+                except DeltastoreError:
+                    pass  # a damaged hint is simply replaced
+            store.put_if_match(
+                LATEST_KEY, latest.model_dump_json().encode(), current[1] if current else None
+            )
+            return
+        except DeltastoreError as exc:
+            log.debug("LATEST update retry after %s", exc)
+    log.warning("version %d is committed but LATEST could not be advanced", version)
+
+
+__all__ = [
+    "advance_latest",
+    "check_head",
+    "check_version_number",
+    "commit_manifest",
+    "conditional_writes",
+    "confirm_commit",
+    "head_version",
+]

@@ -1,0 +1,528 @@
+"""Publisher: detects what changed since the last version, encodes frames, commits a version.
+
+Call order: ``Publisher(url)``, optionally :meth:`Publisher.attach` (continue an existing
+chain after a restart), then :meth:`Publisher.publish` once per version with strictly
+increasing version numbers. Not thread-safe: one thread publishes at a time.
+
+The publisher keeps a *snapshot* of the last published words (``snapshot="memory"``: one copy
+of the model in host memory) to compute XOR deltas; it is updated in O(changed) only after a
+version is committed, so a failed publish leaves the publisher at the previous version.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from deltastore.errors import (
+    ChainError,
+    ManifestNotFoundError,
+    ObjectNotFoundError,
+    TensorMismatchError,
+    VersionOrderError,
+)
+from deltastore.format.checksum import adler32, combine
+from deltastore.format.dtypes import dtype_name, np_words
+from deltastore.format.manifest import (
+    MAX_DIMS,
+    MAX_ELEMENTS,
+    NAME_PATTERN,
+    Frame,
+    Manifest,
+    Parent,
+    TensorEntry,
+    data_prefix,
+    manifest_key,
+    parse_manifest,
+)
+from deltastore.format.ratios import SizeRatios
+from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys, verify_manifest
+from deltastore.progress import ProgressFn, Ticker
+from deltastore.publish.commit import (
+    advance_latest,
+    check_head,
+    check_version_number,
+    commit_manifest,
+    conditional_writes,
+    confirm_commit,
+    head_version,
+)
+from deltastore.publish.encode import FrameEncoders, FrameJob
+from deltastore.publish.snapshot import (
+    DiskSnapshot,
+    MemorySnapshot,
+    TensorState,
+    WriterState,
+    row_range,
+)
+from deltastore.store import Store, open_store
+from deltastore.tensors.tables import check_table, raise_if_mismatched
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_FRAME_BYTES = 16 << 20
+DEFAULT_MAX_OBJECT_BYTES = 64 << 20
+#: Largest frame a publisher writes (bytes): what subscribers accept by default.
+MAX_FRAME_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class PublishReport(SizeRatios):
+    """What one :meth:`Publisher.publish` did. Times in seconds, sizes in bytes."""
+
+    version: int
+    kind: Literal["anchor", "delta"]
+    parent: int | None
+    changed_elements: int
+    total_elements: int
+    payload_bytes: int
+    dense_bytes: int
+    frames: int
+    codecs: dict[str, int]
+    detect_s: float
+    encode_s: float
+    upload_s: float
+    total_s: float
+
+
+@dataclass
+class _Pending:
+    """Everything of a publish that takes effect only once the manifest is committed."""
+
+    entries: dict[str, TensorEntry] = field(default_factory=dict)
+    frame_adler: dict[str, list[int]] = field(default_factory=dict)
+    updates: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+    rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+    codecs: dict[str, int] = field(default_factory=dict)
+    detect_s: float = 0.0
+    encode_s: float = 0.0
+    upload_s: float = 0.0
+
+
+def table_entry(name: str, dtype: torch.dtype, shape: Sequence[int]) -> tuple[str, list[int]]:
+    """``(dtype name, shape)`` of a tensor to publish, checked against the format's limits."""
+    if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name) or not _utf8(name):
+        raise TensorMismatchError(
+            f"tensor name {name!r} is not allowed: 1-1024 characters, no control characters"
+        )
+    if len(shape) > MAX_DIMS or math.prod(shape) > MAX_ELEMENTS:
+        raise TensorMismatchError(
+            f"{name}: shape {list(shape)} is over the format's limits "
+            f"({MAX_DIMS} dims, {MAX_ELEMENTS} elements)"
+        )
+    return dtype_name(dtype), list(shape)
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates
+        return False
+    return True
+
+
+class _PackWriter:
+    """Concatenates encoded frames into data objects of about ``max_bytes`` and uploads them."""
+
+    def __init__(self, store: Store, prefix: str, max_bytes: int, pending: _Pending) -> None:
+        self._store, self._prefix, self._max = store, prefix, max_bytes
+        self._pending = pending
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._seq = 0
+
+    @property
+    def key(self) -> str:
+        return f"{self._prefix}{self._seq:06d}.dsz"
+
+    def add(self, data: bytes) -> tuple[str, int]:
+        """Queue ``data``; return the (object key, offset) it will be stored at."""
+        if self._size and self._size + len(data) > self._max:
+            self.flush()
+        where = (self.key, self._size)
+        self._parts.append(data)
+        self._size += len(data)
+        return where
+
+    def flush(self) -> None:
+        if not self._parts:
+            return
+        t0 = time.perf_counter()
+        self._store.put(self.key, b"".join(self._parts))
+        self._pending.upload_s += time.perf_counter() - t0
+        self._parts, self._size, self._seq = [], 0, self._seq + 1
+
+
+class _ChainWriter:
+    """What :class:`Publisher` and :class:`~deltastore.publish.ShardWriter` share: options, the
+    version held (:class:`WriterState`), change detection and frame encoding."""
+
+    #: ``(rank, world)`` of a shard writer; None for a publisher of whole tensors.
+    _shard: tuple[int, int] | None = None
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str] | Store,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        snapshot: Literal["memory", "disk"] = "memory",
+        state_dir: str | os.PathLike[str] | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
+        zstd_level: int = 1,
+        max_workers: int = 2,
+        signing_key: KeyOption = FROM_ENV,
+        unsafe_commits: bool = False,
+    ) -> None:
+        if snapshot not in ("memory", "disk") or (snapshot == "disk") != (state_dir is not None):
+            raise ValueError("snapshot must be 'memory', or 'disk' together with state_dir")
+        if max_workers < 1:
+            raise ValueError("max_workers must be positive")
+        if not 8 <= max_frame_bytes <= MAX_FRAME_BYTES or max_object_bytes < 1:
+            raise ValueError(
+                f"max_frame_bytes must be in [8, {MAX_FRAME_BYTES}] and max_object_bytes >= 1"
+            )
+        self.store = open_store(url, storage_options)
+        self.unsafe_commits = unsafe_commits
+        self.token = uuid.uuid4().hex
+        self._signing = resolve_keys(signing_key)  # signs with the first; attach checks any
+        self._max_frame_bytes = max_frame_bytes
+        self._max_object_bytes = max_object_bytes
+        self._encoders = FrameEncoders(zstd_level, max_workers)
+        snapshots = DiskSnapshot(state_dir) if state_dir is not None else MemorySnapshot()
+        self._held = WriterState(self.store, snapshots, max_frame_bytes, self._shard)
+        self._held.resume()
+
+    @property
+    def version(self) -> int | None:
+        """Last version this writer committed or attached to (None before)."""
+        return self._held.version
+
+    def _parent(self) -> Parent:
+        """The version held, as the parent of a delta on it."""
+        held = self._held
+        if held.version is None or held.digest is None:
+            raise ChainError("this writer holds no version to publish a delta on")
+        return Parent(version=held.version, state_digest=held.digest)
+
+    def _frames_of(self, numel: int, size: int) -> list[tuple[int, int]]:
+        step = max(1, self._max_frame_bytes // size)
+        return [(a, min(a + step, numel)) for a in range(0, numel, step)]
+
+    def _checksums(self, words: np.ndarray) -> tuple[list[int], int]:
+        """Per-frame and whole Adler-32 of ``words`` on this writer's frame grid (one pass)."""
+        size = words.dtype.itemsize
+        bounds = self._frames_of(words.size, size)
+        frames = [adler32(words[a:b]) for a, b in bounds]
+        total = 1
+        for (a, b), fa in zip(bounds, frames, strict=True):
+            total = combine(total, fa, (b - a) * size)
+        return frames, total
+
+    # --- attach -------------------------------------------------------------------------
+
+    def _head_manifest(self, version: int | None) -> Manifest:
+        """The manifest of the store's newest version, which ``version`` (if given) must be."""
+        head = head_version(self.store)
+        if head is None:
+            raise ChainError(
+                f"store {self.store.url} holds no version to attach to; publish an anchor"
+            )
+        version = head if version is None else version
+        if version != head:
+            raise ChainError(
+                f"version {version} is not the store's newest ({head}): a publisher continues "
+                "the chain from its head only; attach with the tensors of the newest version"
+            )
+        key = manifest_key(version)
+        try:
+            manifest = parse_manifest(self.store.get(key), key=key)
+        except ObjectNotFoundError:
+            raise ManifestNotFoundError(
+                f"version {version} is not committed in store {self.store.url}"
+            ) from None
+        verify_manifest(manifest, self._signing, version=version, name=key)
+        return manifest
+
+    # --- publish ------------------------------------------------------------------------
+
+    def _check_version(self, version: int, *, anchor: bool) -> None:
+        check_version_number(version)
+        held = self._held.version
+        if held is not None and version <= held:
+            raise VersionOrderError(f"version {version} is not above the last published {held}")
+        head = head_version(self.store)
+        if head is not None and version <= head:
+            raise VersionOrderError(
+                f"version {version} is not above the store's newest version {head}; "
+                "versions must increase strictly"
+            )
+        if head is not None and held is not None and head != held:  # forked
+            if anchor:  # a forced anchor needs no parent: forget the stale one
+                self._held.forget()
+                return
+            raise ChainError(
+                f"the store's newest version is {head} but this publisher is at {held}: "
+                "another publisher moved the chain; attach() to the store again (CLI: --parent) "
+                "or publish an anchor"
+            )
+
+    def _encode(
+        self,
+        version: int,
+        host: Mapping[str, np.ndarray],
+        specs: Mapping[str, tuple[str, list[int]]],
+        parent_state: Mapping[str, TensorState] | None,
+        kind: str,
+        progress: ProgressFn | None,
+        rows: Mapping[str, tuple[int, int]] | None = None,
+    ) -> _Pending:
+        """Detect and encode the changes of every tensor, upload the data objects.
+
+        Frames are detected and encoded on ``max_workers`` threads and packed in order here
+        (uploads overlap the encoding of later frames). ``rows`` places words at dim-0 rows of
+        a larger global tensor (``specs`` holds its shape); frames are then cut from the start
+        of the words, at global positions.
+        """
+        pending = _Pending(rows=dict(rows or {}))
+        packs = _PackWriter(
+            self.store, f"{data_prefix(version)}{self.token[:12]}-", self._max_object_bytes, pending
+        )
+        grids = {n: self._frames_of(w.size, w.dtype.itemsize) for n, w in host.items()}
+        ticker = Ticker(
+            progress, sum(len(g) for g in grids.values()), sum(w.nbytes for w in host.values())
+        )
+
+        def jobs() -> Iterator[FrameJob]:
+            for name, words in host.items():
+                prev = parent_state[name] if parent_state is not None else None
+                for i, (a, b) in enumerate(grids[name]):
+                    yield FrameJob(
+                        words[a:b],
+                        None if prev is None else prev.words[a:b],
+                        None if prev is None else prev.frame_adler[i],
+                        kind == "delta" and prev is not None,
+                    )
+
+        results = self._encoders.map(jobs())
+        for name, words in host.items():
+            prev = parent_state[name] if parent_state is not None else None
+            start = row_range(specs[name][1], rows[name])[0] if rows else 0
+            frames: list[Frame] = []
+            frame_adler: list[int] = []
+            total_adler, changed_total = 1, 0
+            for i, (a, b) in enumerate(grids[name]):
+                out = next(results)
+                pending.detect_s += out.detect_s
+                pending.encode_s += out.encode_s
+                if out.data is not None:
+                    obj, offset = packs.add(out.data)  # may upload a full object
+                    frames.append(
+                        Frame(
+                            start=start + a,
+                            stop=start + b,
+                            codec=out.codec,
+                            object=obj,
+                            offset=offset,
+                            length=len(out.data),
+                            xxh3=out.xxh3,
+                            changed=out.changed,
+                            adler32=out.adler,
+                            parent_adler32=None if prev is None else prev.frame_adler[i],
+                        )
+                    )
+                    pending.codecs[out.codec] = pending.codecs.get(out.codec, 0) + 1
+                if prev is not None and out.pos is not None and out.pos.size:
+                    new_at = words[a:b][out.pos] if out.new_at is None else out.new_at
+                    pending.updates.append((prev.words, out.pos + a, new_at))
+                frame_adler.append(out.adler)
+                ticker.tick((b - a) * words.dtype.itemsize)
+                total_adler = combine(total_adler, out.adler, (b - a) * words.dtype.itemsize)
+                changed_total += out.changed
+            pending.frame_adler[name] = frame_adler
+            pending.entries[name] = TensorEntry(
+                dtype=specs[name][0],
+                shape=specs[name][1],
+                adler32=total_adler,
+                parent_adler32=prev.adler if prev is not None else None,
+                changed=changed_total,
+                frames=frames,
+            )
+        packs.flush()
+        return pending
+
+    def _report(
+        self,
+        version: int,
+        kind: Literal["anchor", "delta"],
+        parent: Parent | None,
+        host: Mapping[str, np.ndarray],
+        pending: _Pending,
+        t_start: float,
+    ) -> PublishReport:
+        """What was published of ``host`` (the words this writer encoded)."""
+        entries = pending.entries.values()
+        return PublishReport(
+            version=version,
+            kind=kind,
+            parent=parent.version if parent is not None else None,
+            changed_elements=sum(e.changed for e in entries),
+            total_elements=sum(w.size for w in host.values()),
+            payload_bytes=sum(f.length for e in entries for f in e.frames),
+            dense_bytes=sum(w.nbytes for w in host.values()),
+            frames=sum(len(e.frames) for e in entries),
+            codecs=pending.codecs,
+            detect_s=pending.detect_s,
+            encode_s=pending.encode_s,
+            upload_s=pending.upload_s,
+            total_s=time.perf_counter() - t_start,
+        )
+
+    def _adopt(
+        self,
+        manifest: Manifest,
+        host: Mapping[str, np.ndarray],
+        pending: _Pending,
+        *,
+        incremental: bool,
+    ) -> None:
+        """After ``manifest`` is committed: bring the snapshot to it, in O(changed) for a
+        delta. A failure to save only loses the parent for next time (logged)."""
+        version, digest = manifest.version, manifest.state_digest
+        sums = {n: (pending.frame_adler[n], e.adler32) for n, e in pending.entries.items()}
+        try:
+            if incremental:
+                self._held.update(version, digest, pending.updates, sums)
+            else:
+                specs = {n: (e.dtype, e.shape) for n, e in pending.entries.items()}
+                self._held.replace(version, digest, host, specs, sums, pending.rows)
+        except OSError as exc:  # committed all the same: only the parent for next time is lost
+            log.warning(
+                "version %d is committed, but the publisher state could not be saved (%s); "
+                "the next publish needs attach() (CLI: --parent) or an anchor",
+                version,
+                exc,
+            )
+            self._held.forget()
+            self._held.version, self._held.digest = version, digest
+
+
+class Publisher(_ChainWriter):
+    """Publishes versions of a set of tensors to a store.
+
+    Keyword options: ``snapshot`` (``"memory"``: the parent's words in RAM; ``"disk"``: in a
+    memory-mapped file under ``state_dir``, which also lets a restarted publisher continue
+    without :meth:`attach`), ``max_frame_bytes``
+    (dense bytes per frame, default 16 MiB), ``max_object_bytes`` (bytes per data object,
+    default 64 MiB), ``zstd_level`` (default 1), ``max_workers`` (threads that detect and
+    encode frames, default 2), ``signing_key`` (a
+    :class:`~deltastore.SigningKey` that signs every manifest, and that :meth:`attach`
+    requires on the head manifest; default: ``DELTASTORE_SIGNING_KEY`` if set; None: unsigned),
+    ``unsafe_commits`` (publish to a store whose service ignores create-if-absent
+    preconditions, which is refused otherwise: only one publisher may then write to the
+    store; each commit is read back and :class:`ForkError` raised when the manifest is not
+    this publisher's; a no-op on stores that enforce them).
+    """
+
+    def attach(self, tensors: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
+        """Continue the chain of an existing store from ``tensors`` at ``version``.
+
+        ``version`` defaults to the newest committed one. The tensors are checked against that
+        manifest (names, dtypes, shapes and per-tensor Adler-32) before anything is kept; the
+        next publish is then a delta against them. Returns the attached version.
+        """
+        manifest = self._head_manifest(version)
+        check_table(tensors, manifest, exact=True)
+        host = {n: np_words(tensors[n].detach().cpu().contiguous()) for n in manifest.tensors}
+        sums = {name: self._checksums(words) for name, words in host.items()}
+        raise_if_mismatched(
+            [n for n, (_, total) in sums.items() if total != manifest.tensors[n].adler32], manifest
+        )
+        specs = {n: (e.dtype, e.shape) for n, e in manifest.tensors.items()}
+        self._held.replace(manifest.version, manifest.state_digest, host, specs, sums, {})
+        return manifest.version
+
+    def publish(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        version: int,
+        anchor: bool | None = None,
+        progress: ProgressFn | None = None,
+    ) -> PublishReport:
+        """Publish ``tensors`` as ``version`` and commit it.
+
+        The first publish (and any publish whose tensor names, dtypes or shapes differ from
+        the parent's) is an anchor; ``anchor=True`` forces one, ``anchor=False`` refuses to
+        write one. ``progress`` is called after each frame (dense bytes). Tensors must not be
+        modified during the call. Raises
+        :class:`VersionOrderError` for a version not above the chain head and
+        :class:`VersionExistsError` when another writer committed ``version`` first;
+        :class:`ChainError` when another writer committed a version on its parent meanwhile;
+        :class:`PreconditionsIgnoredError` (before any upload) on a store that ignores
+        preconditions, without ``unsafe_commits``; :class:`ForkError` when, with it, the
+        committed manifest read back is another publisher's.
+        """
+        t_start = time.perf_counter()
+        self._check_version(version, anchor=bool(anchor))
+        # before any upload: refuse unsafe commits unless accepted
+        enforced = conditional_writes(self.store, unsafe_commits=self.unsafe_commits)
+        table = {n: table_entry(n, t.dtype, t.shape) for n, t in tensors.items()}
+        state = self._held.tensors
+        same_table = state is not None and table == {
+            n: (s.dtype, s.shape) for n, s in state.items()
+        }
+        if anchor is False and not same_table:
+            raise ChainError(
+                "cannot publish a delta: no parent state, or the tensor names/dtypes/shapes "
+                "changed; publish an anchor (anchor=True or None)"
+            )
+        kind: Literal["anchor", "delta"] = "anchor" if anchor or not same_table else "delta"
+        parent_state = state if same_table else None
+        parent = self._parent() if parent_state is not None else None
+        host = {n: np_words(t.detach().cpu().contiguous()) for n, t in tensors.items()}
+        pending = self._encode(version, host, table, parent_state, kind, progress)
+        t0 = time.perf_counter()
+        check_head(self.store, version, parent)  # a zombie publisher stops here
+        manifest, body = commit_manifest(
+            self.store,
+            version=version,
+            kind=kind,
+            parent=parent,
+            entries=pending.entries,
+            token=self.token,
+            signing_key=self._signing[0] if self._signing else None,
+        )
+        if not enforced:  # nothing stopped a second publisher: read back, before and after
+            confirm_commit(self.store, version, body)
+        self._advance_latest(version, body)
+        if not enforced:
+            confirm_commit(self.store, version, body)
+        pending.upload_s += time.perf_counter() - t0
+        self._adopt(manifest, host, pending, incremental=parent is not None)
+        report = self._report(version, kind, parent, host, pending, t_start)
+        log.info(
+            "published v%d (%s): %.3f%% changed, %d payload bytes (%.2f%% of dense)",
+            version,
+            kind,
+            100 * report.changed_fraction,
+            report.payload_bytes,
+            100 * report.payload_ratio,
+        )
+        return report
+
+    def _advance_latest(self, version: int, body: bytes) -> None:
+        advance_latest(self.store, version, body)
+
+
+__all__ = ["PublishReport", "Publisher"]

@@ -1,0 +1,369 @@
+"""Several writers, one version: publishing from sharded (FSDP-style) trainers.
+
+Each trainer rank owns dim-0 row slices of some global tensors (rows ``[a, b)`` of a C-order
+tensor are its flat elements ``[a * r, b * r)``, ``r`` being the product of the other
+dimensions). One :class:`ShardWriter` per rank detects and encodes the changes of its slices
+as a :class:`~deltastore.Publisher` does, uploads the frames (at global element positions)
+under the version's data prefix, and writes a *part* describing its slices.
+:func:`commit_parts`, run for each version by one process, waits for the parts of all writers,
+checks that they tile every tensor and name one parent, and commits an ordinary format-v1
+manifest. Every writer then calls :meth:`ShardWriter.finish`, which moves its snapshot to the
+version once it is committed; until then a writer stays at its previous version.
+
+Keys, under the version's data prefix (readers ignore objects that no manifest names):
+
+- ``versions/<version:020d>/parts/<rank:06d>-of-<world:06d>.json``: a writer's :class:`Part`,
+  created if absent; deleted after the commit (best effort);
+- ``versions/<version:020d>/parts/abort.json``: written by :func:`commit_parts` when it gives
+  the version up (a part missing at the timeout, or bad parts); :func:`commit_parts` never
+  commits a version that has it, and :meth:`ShardWriter.finish` stops waiting when it appears.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from deltastore._version import __version__
+from deltastore.errors import (
+    ChainError,
+    ObjectNotFoundError,
+    TensorMismatchError,
+    VersionExistsError,
+)
+from deltastore.format.checksum import adler32
+from deltastore.format.dtypes import np_words
+from deltastore.format.manifest import (
+    Frame,
+    Manifest,
+    TensorEntry,
+    manifest_key,
+    parse_manifest,
+)
+from deltastore.progress import ProgressFn
+from deltastore.publish.commit import conditional_writes
+from deltastore.publish.parts import (
+    Part,
+    PartTensor,
+    _wait_committed,
+    abort_key,
+    commit_parts,
+    parse_part,
+    part_key,
+    parts_prefix,
+)
+from deltastore.publish.publisher import PublishReport, _ChainWriter, _Pending, table_entry
+from deltastore.publish.snapshot import row_range
+from deltastore.store import Store
+
+log = logging.getLogger(__name__)
+
+Rows = tuple[int, int]
+
+
+@dataclass(frozen=True, eq=False)
+class RowSlice:
+    """Rows ``[row_start, row_start + tensor.shape[0])`` of a global tensor of ``global_shape``.
+
+    ``tensor`` has the global tensor's other dimensions. A tensor that is not sharded is one
+    slice of all its rows (:meth:`whole`), given by exactly one writer; a 0-dim tensor is one
+    row.
+    """
+
+    tensor: torch.Tensor
+    global_shape: Sequence[int]
+    row_start: int = 0
+
+    @classmethod
+    def whole(cls, tensor: torch.Tensor) -> RowSlice:
+        """All of ``tensor``, from one writer."""
+        return cls(tensor, tuple(tensor.shape), 0)
+
+
+def _slice_spec(name: str, s: RowSlice) -> tuple[tuple[str, list[int]], Rows]:
+    """``(dtype, global shape)`` and dim-0 rows of a slice; :class:`TensorMismatchError` when
+    it is not a row range of its global shape."""
+    try:
+        shape = [operator.index(d) for d in s.global_shape]
+        start = operator.index(s.row_start)
+    except TypeError:
+        raise TensorMismatchError(
+            f"{name}: global_shape and row_start must be integers, got "
+            f"{s.global_shape!r} and {s.row_start!r}"
+        ) from None
+    spec = table_entry(name, s.tensor.dtype, shape)
+    local = list(s.tensor.shape)
+    rows, n = (shape[0] if shape else 1), (local[0] if local else 1)
+    fits = min(shape, default=0) >= 0 and len(local) == len(shape) and local[1:] == shape[1:]
+    if not fits or not 0 <= start <= rows - n:
+        raise TensorMismatchError(
+            f"{name}: a {local} slice at row {start} is not a row range of a {shape} tensor"
+        )
+    return spec, (start, start + n)
+
+
+@dataclass
+class _Inflight:
+    """A part published and waiting for its version's commit."""
+
+    part: Part
+    pending: _Pending
+    host: dict[str, np.ndarray]  # copies of an anchor's words (empty for a delta)
+
+
+class ShardWriter(_ChainWriter):
+    """The writer of rank ``rank`` of ``world`` writers of a sharded trainer.
+
+    Keyword options are :class:`~deltastore.Publisher`'s (``storage_options``, ``snapshot``,
+    ``state_dir``, ``max_frame_bytes``, ``max_object_bytes``, ``zstd_level``,
+    ``unsafe_commits``: pass it to :func:`commit_parts` too); a disk snapshot
+    is adopted only by a writer of the same rank and world. Per version: :meth:`publish`, then
+    :func:`commit_parts` in one process, then :meth:`finish`. Not thread-safe.
+    """
+
+    def __init__(
+        self, url: str | os.PathLike[str] | Store, rank: int, world: int, **options: Any
+    ) -> None:
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in (rank, world)) or not (
+            0 <= rank < world
+        ):
+            raise ValueError(f"need 0 <= rank < world, got rank {rank!r} of world {world!r}")
+        self.rank, self.world = rank, world
+        self._shard = (rank, world)
+        self._inflight: _Inflight | None = None
+        super().__init__(url, **options)
+
+    def publish(
+        self,
+        slices: Mapping[str, RowSlice],
+        *,
+        version: int,
+        anchor: bool | None = None,
+        progress: ProgressFn | None = None,
+    ) -> PublishReport:
+        """Upload this writer's part of ``version``: the changes of its ``slices`` (by global
+        tensor name). Nothing is committed: see :func:`commit_parts` and :meth:`finish`.
+
+        A delta on the version the writer holds when its slices (names, dtypes, global shapes,
+        rows) are the same as then, else an anchor; ``anchor=True`` forces an anchor,
+        ``anchor=False`` refuses one (:class:`ChainError`). All writers of a version must agree.
+        The report counts this writer's slices. Raises :class:`VersionOrderError`,
+        :class:`ChainError` (the store moved past this writer's version, or its last version
+        was committed but not finished), :class:`TensorMismatchError` (a slice that is not a
+        row range of its global shape) and :class:`VersionExistsError` (the part exists).
+        """
+        t_start = time.perf_counter()
+        inflight = self._inflight
+        if inflight is not None and self.store.exists(manifest_key(inflight.part.version)):
+            raise ChainError(
+                f"version {inflight.part.version} is committed but rank {self.rank} did not "
+                f"finish() it; call finish({inflight.part.version}) before publishing {version}"
+            )
+        self._check_version(version, anchor=bool(anchor))
+        # before any upload: refuse unsafe commits unless accepted
+        conditional_writes(self.store, unsafe_commits=self.unsafe_commits)
+        specs: dict[str, tuple[str, list[int]]] = {}
+        rows: dict[str, Rows] = {}
+        for name, s in slices.items():
+            specs[name], rows[name] = _slice_spec(name, s)
+        held = self._held.tensors
+        same = held is not None and {n: (*specs[n], rows[n]) for n in specs} == {
+            n: (s.dtype, s.shape, s.rows) for n, s in held.items()
+        }
+        if anchor is False and not same:
+            raise ChainError(
+                "cannot publish a delta: this writer holds no version, or its slices (names, "
+                "dtypes, shapes, rows) changed; publish an anchor from every writer"
+            )
+        parent_state = held if same and not anchor else None
+        parent = self._parent() if parent_state is not None else None
+        kind: Literal["anchor", "delta"] = "delta" if parent is not None else "anchor"
+        host = {n: np_words(s.tensor.detach().cpu().contiguous()) for n, s in slices.items()}
+        self._inflight = None
+        pending = self._encode(version, host, specs, parent_state, kind, progress, rows)
+        part = Part(
+            part_format=1,
+            version=version,
+            rank=self.rank,
+            world=self.world,
+            token=self.token,
+            library=f"deltastore {__version__}",
+            parent=parent,
+            tensors={n: _part_tensor(e, rows[n]) for n, e in pending.entries.items()},
+        )
+        t0 = time.perf_counter()
+        self.store.put_if_absent(
+            part_key(version, self.rank, self.world), part.model_dump_json(indent=1).encode()
+        )
+        pending.upload_s += time.perf_counter() - t0
+        kept = {} if parent is not None else {n: w.copy() for n, w in host.items()}
+        self._inflight = _Inflight(part, pending, kept)
+        return self._report(version, kind, parent, host, pending, t_start)
+
+    def finish(self, version: int, *, timeout_s: float = 60.0, poll_s: float = 0.05) -> Manifest:
+        """Wait until ``version`` is committed, then hold it; returns its manifest.
+
+        Checks that the manifest carries this writer's frames and parent. Raises
+        :class:`VersionNotCommittedError` when the version is aborted or not committed within
+        ``timeout_s`` (the writer stays at its previous version: publish a higher version from
+        every writer), :class:`VersionExistsError` when it was committed without this writer's
+        part, :class:`ChainError` when this writer has no part of ``version`` to finish.
+        """
+        inflight = self._inflight
+        if inflight is None or inflight.part.version != version:
+            raise ChainError(f"rank {self.rank} has no unfinished part of version {version}")
+        manifest = _wait_committed(self.store, version, timeout_s, poll_s)
+        self._inflight = None
+        part = inflight.part
+        if manifest.parent != part.parent or not all(
+            (e := manifest.tensors.get(n)) is not None
+            and (e.dtype, e.shape) == (t.dtype, t.shape)
+            and set(t.frames) <= set(e.frames)
+            for n, t in part.tensors.items()
+        ):
+            raise VersionExistsError(
+                f"version {version} was committed without the part of rank {self.rank}; "
+                "attach() this writer to the newest version"
+            )
+        self._adopt(manifest, inflight.host, inflight.pending, incremental=part.parent is not None)
+        return manifest
+
+    def attach(self, slices: Mapping[str, RowSlice], *, version: int | None = None) -> int:
+        """Continue the chain from this writer's ``slices`` of the store's newest version
+        (``version``, when given, must be it); returns that version.
+
+        Each slice must be of a tensor of that version (dtype, global shape), and its bytes must
+        match the Adler-32 of the frames that last stored them: the version's frames, then
+        those of its parents for rows they did not store, back to an anchor if need be. Raises
+        :class:`ChainError` (an empty store, ``version`` not the newest) and
+        :class:`TensorMismatchError` (a slice differs, or the frames do not align with it:
+        after a change of sharding or ``max_frame_bytes``, publish an anchor from every writer).
+        """
+        manifest = self._head_manifest(version)
+        specs: dict[str, tuple[str, list[int]]] = {}
+        rows: dict[str, Rows] = {}
+        for name, s in slices.items():
+            specs[name], rows[name] = _slice_spec(name, s)
+            entry = manifest.tensors.get(name)
+            if entry is None or (entry.dtype, entry.shape) != specs[name]:
+                raise TensorMismatchError(
+                    f"{name}: {specs[name][0]}{specs[name][1]} is not a tensor of version "
+                    f"{manifest.version}"
+                )
+        host = {n: np_words(s.tensor.detach().cpu().contiguous()) for n, s in slices.items()}
+        sums = {n: self._checksums(w) for n, w in host.items()}
+        ranges = {n: row_range(specs[n][1], rows[n]) for n in host}
+        _check_slices(self.store, manifest, host, ranges, {n: s[1] for n, s in sums.items()})
+        self._inflight = None
+        self._held.replace(manifest.version, manifest.state_digest, host, specs, sums, rows)
+        return manifest.version
+
+
+def _part_tensor(e: TensorEntry, rows: Rows) -> PartTensor:
+    start, stop = row_range(e.shape, rows)
+    return PartTensor(
+        dtype=e.dtype,
+        shape=e.shape,
+        row_start=rows[0],
+        row_stop=rows[1],
+        start=start,
+        stop=stop,
+        adler32=e.adler32,
+        parent_adler32=e.parent_adler32,
+        changed=e.changed,
+        frames=e.frames,
+    )
+
+
+def _check_slices(
+    store: Store,
+    manifest: Manifest,
+    host: Mapping[str, np.ndarray],
+    ranges: Mapping[str, Rows],
+    totals: Mapping[str, int],
+) -> None:
+    """:class:`TensorMismatchError` unless every slice (words ``host[n]``, elements
+    ``ranges[n]``, Adler-32 ``totals[n]``) is at ``manifest``'s version."""
+    bad: list[str] = []
+    todo: dict[str, list[Rows]] = {}  # element ranges not checked yet
+    for name, (a, b) in ranges.items():
+        if (a, b) == (0, manifest.tensors[name].numel):
+            if totals[name] != manifest.tensors[name].adler32:
+                bad.append(name)
+        elif a < b:
+            todo[name] = [(a, b)]
+    m = manifest
+    while todo:
+        for name, gaps in list(todo.items()):
+            entry = m.tensors.get(name)
+            left = (
+                _match_frames(entry.frames, gaps, host[name], ranges[name][0])
+                if entry is not None
+                else None
+            )
+            if left is None:
+                bad.append(name)
+            if not left:
+                del todo[name]
+            else:
+                todo[name] = left
+        if not todo or m.kind == "anchor" or m.parent is None:
+            break
+        try:
+            m = parse_manifest(store.get(manifest_key(m.parent.version)))
+        except ObjectNotFoundError:
+            break
+    bad.extend(todo)  # rows that no frame down the chain stored
+    if bad:
+        raise TensorMismatchError(
+            f"{len(bad)} slices are not at version {manifest.version} ({', '.join(bad[:5])}): "
+            "their bytes differ from the frames that stored them, or those frames do not align "
+            "with the slices (after a change of sharding: publish an anchor from every writer)"
+        )
+
+
+def _match_frames(
+    frames: Sequence[Frame], gaps: list[Rows], words: np.ndarray, offset: int
+) -> list[Rows] | None:
+    """Check ``words`` (elements from ``offset`` on) against the ``frames`` that fall in
+    ``gaps`` (sorted element ranges not checked yet); return the ranges still unchecked, or
+    None on a mismatch or a frame that straddles a gap's edge."""
+    left: list[Rows] = []
+    i = 0
+    for lo, hi in gaps:
+        while i < len(frames) and frames[i].stop <= lo:
+            i += 1
+        pos = lo
+        while i < len(frames) and frames[i].start < hi:
+            f = frames[i]
+            if f.start < lo or f.stop > hi:
+                return None
+            if adler32(words[f.start - offset : f.stop - offset]) != f.adler32:
+                return None
+            if f.start > pos:
+                left.append((pos, f.start))
+            pos, i = f.stop, i + 1
+        if pos < hi:
+            left.append((pos, hi))
+    return left
+
+
+__all__ = [
+    "Part",
+    "PartTensor",
+    "RowSlice",
+    "ShardWriter",
+    "abort_key",
+    "commit_parts",
+    "parse_part",
+    "part_key",
+    "parts_prefix",
+]

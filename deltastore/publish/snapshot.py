@@ -1,0 +1,303 @@
+"""Where a publisher keeps the words of the last published version (its parent for XOR).
+
+``memory``: copies in host RAM. ``disk``: one memory-mapped file ``snapshot.bin`` in a state
+folder plus ``state.json`` (version, state digest, per-tensor layout and checksums), so a
+restarted publisher continues without re-reading the parent and without a copy in RAM.
+A shard writer (``deltastore.publish.sharded``) keeps only its dim-0 row slices of global tensors
+(:attr:`TensorState.rows`). :class:`WriterState` is a writer's view of all this: the version it
+holds, changed only after a commit.
+
+Update protocol (crash-safe): `begin_update` marks the state dirty, the
+caller changes words in place or calls `replace`, then
+`commit` records the new clean state atomically. A dirty or missing
+``state.json`` means "no saved state". Single writer; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from deltastore.errors import DeltastoreError
+from deltastore.format.checksum import adler32
+from deltastore.format.dtypes import itemsize, word_dtype
+from deltastore.format.manifest import manifest_key, parse_manifest
+from deltastore.store import Store
+
+log = logging.getLogger("deltastore.publish.publisher")
+
+STATE_FORMAT = 1
+
+
+def row_range(shape: Sequence[int], rows: tuple[int, int]) -> tuple[int, int]:
+    """Flat element range ``[start, stop)`` of dim-0 ``rows`` of a C-order tensor of ``shape``
+    (a 0-dim tensor is one row of one element)."""
+    per_row = math.prod(shape[1:])
+    return rows[0] * per_row, rows[1] * per_row
+
+
+@dataclass
+class TensorState:
+    """Publisher-side memory of one tensor at the last published version."""
+
+    dtype: str
+    shape: list[int]  # of the whole (global) tensor
+    words: np.ndarray  # unsigned little-endian words of the published version
+    frame_adler: list[int]  # on the writer's frame grid, from the first word
+    adler: int  # of the words
+    rows: tuple[int, int] | None = None  # the dim-0 rows the words hold; None: all of them
+
+
+@dataclass
+class SavedState:
+    """What a snapshot store remembers across restarts."""
+
+    store: str
+    version: int
+    state_digest: str
+    max_frame_bytes: int
+    tensors: dict[str, TensorState]
+    shard: tuple[int, int] | None = None  # (rank, world) of a shard writer
+
+
+class MemorySnapshot:
+    """Copies in RAM; nothing survives the process. Base of the other snapshot stores."""
+
+    def replace(self, words: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """New storage holding copies of ``words``; returns the stored arrays."""
+        return {n: w.copy() for n, w in words.items()}
+
+    def begin_update(self) -> None:
+        """Mark the saved state as being changed (nothing is saved in memory)."""
+
+    def commit(self, state: SavedState) -> None:
+        """Record ``state`` as the clean saved state (nothing is saved in memory)."""
+
+    def load(self) -> SavedState | None:
+        """The saved clean state, or None."""
+        return None
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class DiskSnapshot(MemorySnapshot):
+    """``snapshot.bin`` (memory-mapped words, 64-byte aligned per tensor) + ``state.json``."""
+
+    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+        self.dir = Path(state_dir).expanduser()
+        self._state_file = self.dir / "state.json"
+        self._data_file = self.dir / "snapshot.bin"
+        self._offsets: dict[str, int] = {}
+        self._map: np.memmap | None = None
+
+    def begin_update(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        _write_json_atomic(self._state_file, {"format": STATE_FORMAT, "dirty": True})
+
+    def replace(self, words: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        offsets, total = {}, 0
+        for name, w in words.items():
+            offsets[name] = total
+            total += -(-w.nbytes // 64) * 64
+        tmp = self.dir / f".snapshot.{uuid.uuid4().hex}"
+        with open(tmp, "wb") as fh:
+            fh.truncate(max(total, 1))
+        new = np.memmap(tmp, dtype=np.uint8, mode="r+")
+        out = {}
+        for name, w in words.items():
+            view = new[offsets[name] : offsets[name] + w.nbytes].view(w.dtype)
+            view[:] = w
+            out[name] = view
+        new.flush()
+        os.replace(tmp, self._data_file)
+        self._map, self._offsets = new, offsets
+        return out
+
+    def commit(self, state: SavedState) -> None:
+        if self._map is not None:
+            self._map.flush()
+        tensors = {
+            name: {
+                "dtype": t.dtype,
+                "shape": t.shape,
+                "offset": self._offsets[name],
+                "adler32": t.adler,
+                "frame_adler32": t.frame_adler,
+                "rows": t.rows,
+            }
+            for name, t in state.tensors.items()
+        }
+        _write_json_atomic(
+            self._state_file,
+            {
+                "format": STATE_FORMAT,
+                "dirty": False,
+                "store": state.store,
+                "version": state.version,
+                "state_digest": state.state_digest,
+                "max_frame_bytes": state.max_frame_bytes,
+                "shard": state.shard,
+                "tensors": tensors,
+            },
+        )
+
+    def load(self) -> SavedState | None:
+        try:
+            meta = json.loads(self._state_file.read_text())
+            if meta.get("format") != STATE_FORMAT or meta.get("dirty", True):
+                return None
+            shard = _pair(meta.get("shard"))
+            data = np.memmap(self._data_file, dtype=np.uint8, mode="r+")
+            tensors: dict[str, TensorState] = {}
+            offsets: dict[str, int] = {}
+            for name, t in meta["tensors"].items():
+                size = itemsize(t["dtype"])
+                rows = _pair(t.get("rows"))
+                first, stop = row_range(t["shape"], rows) if rows else (0, math.prod(t["shape"]))
+                count = stop - first
+                start = int(t["offset"])
+                if start + count * size > data.size:
+                    return None
+                words = data[start : start + count * size].view(word_dtype(size))
+                if adler32(words) != int(t["adler32"]):  # a damaged snapshot would poison deltas
+                    return None
+                tensors[name] = TensorState(
+                    t["dtype"],
+                    list(t["shape"]),
+                    words,
+                    list(t["frame_adler32"]),
+                    int(t["adler32"]),
+                    rows,
+                )
+                offsets[name] = start
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        self._map, self._offsets = data, offsets
+        return SavedState(
+            store=str(meta["store"]),
+            version=int(meta["version"]),
+            state_digest=str(meta["state_digest"]),
+            max_frame_bytes=int(meta["max_frame_bytes"]),
+            tensors=tensors,
+            shard=shard,
+        )
+
+
+def _pair(value: Any) -> tuple[int, int] | None:
+    """``[a, b]`` from ``state.json`` as a tuple (None stays None)."""
+    if value is None:
+        return None
+    a, b = value
+    return int(a), int(b)
+
+
+class WriterState:
+    """What a writer holds of its last committed version: the words (in a snapshot store),
+    their checksums, the version and its state digest. Changed only after a commit or an
+    attach; saved after every change by a disk snapshot store.
+
+    ``shard`` is the ``(rank, world)`` of a shard writer (None for a publisher): a saved state
+    is adopted only by a writer of the same store, ``max_frame_bytes`` and shard.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        snapshots: MemorySnapshot,
+        max_frame_bytes: int,
+        shard: tuple[int, int] | None,
+    ) -> None:
+        self._store, self._snapshots = store, snapshots
+        self._max_frame_bytes, self._shard = max_frame_bytes, shard
+        self.tensors: dict[str, TensorState] | None = None
+        self.version: int | None = None
+        self.digest: str | None = None
+
+    def resume(self) -> None:
+        """Adopt the saved state if it is this store's committed version with these settings."""
+        saved = self._snapshots.load()
+        if saved is None or (saved.store, saved.shard) != (self._store.url, self._shard):
+            return
+        if saved.max_frame_bytes != self._max_frame_bytes:
+            log.info("saved state ignored: it was written with another max_frame_bytes")
+            return
+        try:
+            manifest = parse_manifest(self._store.get(manifest_key(saved.version)))
+        except DeltastoreError as exc:
+            log.info("saved state ignored: version %d unreadable (%s)", saved.version, exc)
+            return
+        if manifest.state_digest != saved.state_digest:
+            log.info("saved state ignored: it does not match version %d", saved.version)
+            return
+        self.tensors, self.version, self.digest = saved.tensors, saved.version, saved.state_digest
+
+    def forget(self) -> None:
+        """Hold no version (the next publish is an anchor); the saved state stays as it was."""
+        self.tensors = self.version = self.digest = None
+
+    def replace(
+        self,
+        version: int,
+        digest: str,
+        host: Mapping[str, np.ndarray],
+        specs: Mapping[str, tuple[str, list[int]]],
+        sums: Mapping[str, tuple[list[int], int]],
+        rows: Mapping[str, tuple[int, int]],
+    ) -> None:
+        """Hold ``version``: copies of ``host`` (per tensor: ``specs`` dtype and shape, ``sums``
+        frame and whole Adler-32, ``rows`` where the words are row slices)."""
+        self._snapshots.begin_update()
+        words = self._snapshots.replace(dict(host))
+        self.tensors = {
+            n: TensorState(*specs[n], words[n], *sums[n], rows=rows.get(n)) for n in host
+        }
+        self._hold(version, digest)
+
+    def update(
+        self,
+        version: int,
+        digest: str,
+        changes: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        sums: Mapping[str, tuple[list[int], int]],
+    ) -> None:
+        """Hold ``version``, a delta on the version held: ``changes`` are ``(held words,
+        positions, new values)``, in place, O(changed); ``sums`` the new checksums."""
+        if self.tensors is None:
+            raise ValueError("no version held to update")
+        self._snapshots.begin_update()
+        for snap, positions, values in changes:
+            snap[positions] = values
+        for name, st in self.tensors.items():
+            st.frame_adler, st.adler = sums[name]
+        self._hold(version, digest)
+
+    def _hold(self, version: int, digest: str) -> None:
+        self.version, self.digest = version, digest
+        if self.tensors is not None:
+            self._snapshots.commit(
+                SavedState(
+                    self._store.url,
+                    version,
+                    digest,
+                    self._max_frame_bytes,
+                    self.tensors,
+                    self._shard,
+                )
+            )

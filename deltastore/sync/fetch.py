@@ -1,0 +1,212 @@
+"""The receiver's fetch-and-decode plumbing: timing, progress, in-flight byte budget, and the
+:class:`Fetcher` that runs per-frame work on a thread pool.
+
+Thread-safe: shared by the worker threads of one sync.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Any, TypeVar
+
+import xxhash
+
+from deltastore.errors import DeltastoreError, FrameError, IntegrityError
+from deltastore.format.codecs import FrameDecoder
+from deltastore.format.manifest import Frame
+from deltastore.progress import ProgressFn, Ticker
+from deltastore.store import Store
+
+T = TypeVar("T", bound=tuple[Any, ...])
+#: Most stored bytes fetched by one ranged read of adjacent frames.
+MAX_SPAN = 32 << 20
+R = TypeVar("R")
+
+
+class Timer(Ticker):
+    """Seconds summed over worker threads: fetching, and all per-frame work (fetch included);
+    the stored frames and bytes fetched; finished frames for the progress callback."""
+
+    def __init__(self, fn: ProgressFn | None = None, frames: int = 0, nbytes: int = 0) -> None:
+        super().__init__(fn, frames, nbytes)
+        self.lock = threading.Lock()
+        self.fetch = 0.0
+        self.work = 0.0
+        self.fetched_bytes = 0
+        self.fetched_frames = 0
+
+    def add(self, *, fetch: float = 0.0, work: float = 0.0, nbytes: int = 0) -> None:
+        """Add seconds of fetching / per-frame work; ``nbytes``: one more frame fetched."""
+        with self.lock:
+            self.fetch += fetch
+            self.work += work
+            if nbytes:
+                self.fetched_bytes += nbytes
+                self.fetched_frames += 1
+
+    @property
+    def decode(self) -> float:
+        return max(0.0, self.work - self.fetch)
+
+
+class Cancelled(DeltastoreError):
+    """A frame task skipped because an earlier one failed (never surfaces to callers)."""
+
+
+class ByteBudget:
+    """Blocks the producer while more than ``limit`` bytes are in flight (one item always fits)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit, self._used = limit, 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._used == 0 or self._used + n <= self._limit)
+            self._used += n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self._used -= n
+            self._cond.notify_all()
+
+
+def raise_first(futures: Iterable[Future[Any]]) -> None:
+    """Re-raise the first real error among the futures (skipped tasks do not count)."""
+    for fut in futures:
+        exc = fut.exception()
+        if exc is not None and not isinstance(exc, Cancelled):
+            raise exc
+
+
+class Fetcher:
+    """Fetches stored frames (checked against their length and xxh3) and runs per-frame work
+    on ``max_workers`` threads with at most ``max_inflight`` stored bytes in flight.
+
+    Each worker thread has its own :class:`FrameDecoder`. ``run`` is called by one thread.
+    """
+
+    def __init__(self, store: Store, max_workers: int, max_inflight: int) -> None:
+        self.store, self._workers, self._max_inflight = store, max_workers, max_inflight
+        self._local = threading.local()
+
+    def _decoder(self) -> FrameDecoder:
+        dec: FrameDecoder | None = getattr(self._local, "decoder", None)
+        if dec is None:
+            dec = self._local.decoder = FrameDecoder()
+        return dec
+
+    def fetch(self, f: Frame, timer: Timer, *, span: tuple[int, bytes] | None = None) -> bytes:
+        """The stored bytes of ``f`` (from ``span``: bytes of its object read from offset
+        ``span[0]``, when given); :class:`FrameError` if truncated, :class:`IntegrityError` if
+        the xxh3 does not match."""
+        if span is None:
+            t0 = time.perf_counter()
+            data = self.store.get_range(f.object, f.offset, f.length)
+            timer.add(fetch=time.perf_counter() - t0)
+        else:
+            data = span[1][f.offset - span[0] : f.offset - span[0] + f.length]
+        if len(data) != f.length:
+            raise FrameError(
+                f"{f.object}: frame at offset {f.offset} is truncated "
+                f"({len(data)} of {f.length} bytes)"
+            )
+        if xxhash.xxh3_64_hexdigest(data) != f.xxh3:
+            raise IntegrityError(
+                f"{f.object}: frame at offset {f.offset} is corrupted (xxh3 mismatch): the "
+                "stored object is damaged; wait for a newer anchor, or restore the object"
+            )
+        timer.add(nbytes=len(data))
+        return data
+
+    def _groups(self, tasks: Sequence[T]) -> list[list[int]]:
+        """Indices of consecutive tasks whose frames sit back to back in one object, fetched as
+        one range of at most :data:`MAX_SPAN` bytes (a version's frames are packed in order, so
+        a delta costs about one request per data object instead of one per frame)."""
+        groups: list[list[int]] = []
+        limit = min(MAX_SPAN, self._max_inflight)
+        for i, task in enumerate(tasks):
+            f: Frame = task[-1]
+            if groups:
+                last: Frame = tasks[groups[-1][-1]][-1]
+                first: Frame = tasks[groups[-1][0]][-1]
+                if (
+                    f.object == last.object
+                    and f.offset == last.offset + last.length
+                    and f.offset + f.length - first.offset <= limit
+                ):
+                    groups[-1].append(i)
+                    continue
+            groups.append([i])
+        return groups
+
+    def run(
+        self, tasks: Sequence[T], work: Callable[[T, bytes, FrameDecoder], R], timer: Timer
+    ) -> list[R]:
+        """``work(task, stored_bytes, decoder)`` for every task (its last item is its
+        :class:`Frame`), in task order; the first real error is raised after the pool stopped.
+
+        Adjacent frames are fetched with one ranged read (:meth:`_groups`); the frames of a
+        read are then worked on in parallel. The in-flight budget counts a read's bytes until
+        its last frame is done."""
+        budget = ByteBudget(self._max_inflight)
+        failed = threading.Event()
+        lock = threading.Lock()
+        frames: list[Future[R] | None] = [None] * len(tasks)
+
+        def frame_job(i: int, span: tuple[int, bytes] | None, left: list[int]) -> R:
+            frame: Frame = tasks[i][-1]
+            try:
+                if failed.is_set():
+                    raise Cancelled("skipped after an earlier frame failed")
+                t0 = time.perf_counter()
+                out = work(tasks[i], self.fetch(frame, timer, span=span), self._decoder())
+                timer.add(work=time.perf_counter() - t0)
+                timer.tick(frame.length)
+                return out
+            except BaseException:
+                failed.set()
+                raise
+            finally:
+                with lock:
+                    left[0] -= 1
+                    done = left[0] == 0
+                if done:
+                    budget.release(left[1])
+
+        def read_job(pool: ThreadPoolExecutor, group: list[int], size: int) -> None:
+            try:
+                if failed.is_set():
+                    raise Cancelled("skipped after an earlier frame failed")
+                span = None
+                if len(group) > 1:
+                    first: Frame = tasks[group[0]][-1]
+                    t0 = time.perf_counter()
+                    span = (first.offset, self.store.get_range(first.object, first.offset, size))
+                    timer.add(fetch=time.perf_counter() - t0)
+            except BaseException:
+                failed.set()
+                budget.release(size)
+                raise
+            left = [len(group), size]
+            for i in group:
+                frames[i] = pool.submit(frame_job, i, span, left)
+
+        reads: list[Future[None]] = []
+        with ThreadPoolExecutor(self._workers, thread_name_prefix="deltastore-sync") as pool:
+            for group in self._groups(tasks):
+                if failed.is_set():
+                    break
+                size = sum(tasks[i][-1].length for i in group)
+                budget.acquire(size)
+                reads.append(pool.submit(read_job, pool, group, size))
+            wait(reads)  # every frame job is submitted once its read is done
+            submitted = [f for f in frames if f is not None]
+            wait(submitted, return_when=FIRST_EXCEPTION)
+        raise_first([*reads, *submitted])
+        if len(submitted) != len(tasks):  # pragma: no cover - a read failed: raised above
+            raise Cancelled("not every frame was worked on")
+        return [f.result() for f in submitted]

@@ -1,0 +1,133 @@
+"""Routing decoded changes to the ranks that hold them, and the two-round exchange.
+
+A :class:`Segment` carries the decoded changes of one frame piece for one rank. The exchange
+packs each rank's segments into one int64 stream (a 4-word header per segment, then its
+positions) and one uint8 stream (copy counts, then the words' bytes), sends the stream sizes
+in round 1 and the streams in round 2 (``all_to_all_single``, every rank enters both). Pure
+functions; thread-safe except for the collectives (one thread per rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from deltastore.format.dtypes import itemsize, word_dtype
+from deltastore.layout.boxes import _span, inside
+from deltastore.sync.group import Group
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY_U8 = np.zeros(0, dtype=np.uint8)
+Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
+Holders = list[tuple[int, Boxes]]
+
+
+@dataclass
+class Segment:
+    """Decoded changes of one frame (piece) for one rank: ``raw`` values are new words,
+    otherwise XOR masks; ``copies`` is each element's number of copies in the group. Anchor
+    frames travel as dense ranges (``start``; no positions, copies counted by the receiver)."""
+
+    tensor: int
+    raw: bool
+    positions: np.ndarray
+    copies: np.ndarray
+    values: np.ndarray
+    start: int = -1  # >= 0: raw values of the dense range [start, start + len(values))
+
+
+def route(
+    tensor: int,
+    shape: Sequence[int],
+    holders: Holders,
+    raw: bool,
+    pos: np.ndarray,
+    values: np.ndarray,
+    routed: list[list[Segment]],
+) -> None:
+    """Split sorted global ``pos`` among the ranks holding them, with copy counts."""
+    held = [
+        (
+            r,
+            sum(
+                (inside(pos, shape, o, n).view(np.uint8) for o, n in boxes[1:]),
+                inside(pos, shape, *boxes[0]).view(np.uint8),
+            ),
+        )
+        for r, boxes in holders
+    ]
+    copies = sum((c for _, c in held[1:]), held[0][1].copy())
+    for r, count in held:
+        sel = np.flatnonzero(count)
+        if sel.size:
+            routed[r].append(Segment(tensor, raw, pos[sel], copies[sel], values[sel]))
+
+
+def route_range(
+    tensor: int,
+    shape: Sequence[int],
+    holders: Holders,
+    start: int,
+    words: np.ndarray,
+    routed: list[list[Segment]],
+) -> None:
+    """Send each rank the part of the dense range ``[start, start + len(words))`` within the
+    hull of its boxes."""
+    stop = start + words.size
+    for r, boxes in holders:
+        spans = [_span(shape, o, n) for o, n in boxes]
+        a = max(start, min(lo for lo, _ in spans))
+        b = min(stop, max(hi for _, hi in spans))
+        if a < b:
+            routed[r].append(
+                Segment(tensor, True, _EMPTY, _EMPTY_U8, words[a - start : b - start].copy(), a)
+            )
+
+
+def exchange(group: Group, out: list[list[Segment]], dtypes: Sequence[str]) -> list[Segment]:
+    """Rounds 1 and 2 of the exchange: ``out[r]`` goes to rank r; returns what this rank got.
+    ``dtypes[t]`` is the dtype name of tensor index t."""
+    if group.world == 1:
+        return out[0]
+    ints, bytes_ = [], []
+    for segs in out:
+        ints.append(
+            np.concatenate(
+                [_EMPTY]
+                + [
+                    np.concatenate(([s.tensor, int(s.raw), s.values.size, s.start], s.positions))
+                    for s in segs
+                ]
+            ).astype(np.int64)
+        )
+        bytes_.append(
+            np.concatenate(
+                [_EMPTY_U8]
+                + [
+                    np.concatenate((s.copies, np.ascontiguousarray(s.values).view(np.uint8)))
+                    for s in segs
+                ]
+            )
+        )
+    counts = group.exchange_counts(
+        np.array([[a.size, b.size] for a, b in zip(ints, bytes_, strict=True)], np.int64)
+    )
+    got_i = group.all_to_all(ints, np.dtype(np.int64), counts[:, 0])
+    got_b = group.all_to_all(bytes_, np.dtype(np.uint8), counts[:, 1])
+    received: list[Segment] = []
+    for ia, ba in zip(got_i, got_b, strict=True):
+        i = j = 0
+        while i < ia.size:
+            tensor, raw, count, start = (int(x) for x in ia[i : i + 4])
+            size = itemsize(dtypes[tensor])
+            k = count if start < 0 else 0  # positions and copies: sparse segments only
+            pos, copies = ia[i + 4 : i + 4 + k], ba[j : j + k]
+            vals = ba[j + k : j + k + count * size].copy().view(word_dtype(size))
+            received.append(Segment(tensor, bool(raw), pos, copies, vals, start))
+            i, j = i + 4 + k, j + k + count * size
+    return received
+
+
+__all__ = ["Segment", "exchange", "route", "route_range"]

@@ -1,0 +1,580 @@
+"""Subscriber: brings local tensors to a committed version, in place, verified before writing.
+
+Call order: ``Subscriber(url, tensors=..., version=...)``, then :meth:`Subscriber.latest` /
+:meth:`Subscriber.sync` as often as wanted. One thread calls ``sync`` at a time; internally
+frames are fetched and decoded on a pool of ``max_workers`` threads with at most
+``max_inflight_bytes`` of stored frames in flight, each frame decoded as soon as it arrives.
+
+Per version: fetch + decode every frame into staged changes (O(changed): positions, old and new
+words), verify per-frame and per-tensor Adler-32, and only then write (the *pause*): scatters
+of the new words. A failure before the pause leaves the tensors untouched; a failure during it
+is rolled back from the gathered old words. The tensors are at the old version or the new one,
+never in between.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from deltastore.errors import (
+    ChainError,
+    DeltastoreError,
+    IntegrityError,
+    ManifestError,
+    ManifestNotFoundError,
+    ObjectNotFoundError,
+    TensorMismatchError,
+    WrongParentError,
+)
+from deltastore.format.checksum import adler32, apply_delta, combine
+from deltastore.format.codecs import FrameDecoder
+from deltastore.format.dtypes import dtype_from_name, dtype_name, flat_words, itemsize, word_dtype
+from deltastore.format.manifest import (
+    LATEST_KEY,
+    MANIFEST_PREFIX,
+    Frame,
+    Manifest,
+    TensorEntry,
+    manifest_key,
+    parse_latest,
+    parse_manifest,
+    version_of_key,
+)
+from deltastore.format.ratios import SizeRatios
+from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys, verify_manifest
+from deltastore.layout.boxes import Layout
+from deltastore.progress import ProgressFn
+from deltastore.store import Store, open_store
+from deltastore.sync.chain import Held, plan
+from deltastore.sync.fetch import Fetcher, Timer
+from deltastore.sync.group import Group
+from deltastore.sync.ranks import LayoutSync
+from deltastore.sync.stage import Staged, check_frames, stage_frame
+from deltastore.tensors.tables import (
+    Table,
+    check_contents,
+    check_table,
+    delta_changes_table,
+    raise_if_mismatched,
+    table_changed,
+    table_of_manifest,
+)
+from deltastore.tensors.words import scatter as _scatter  # a module global: tests patch it
+from deltastore.tensors.words import signed, write_all
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SyncReport(SizeRatios):
+    """What one :meth:`Subscriber.sync` did. Times in seconds, sizes in bytes.
+
+    ``fetch_s`` and ``decode_s`` are summed over worker threads (they overlap in wall time);
+    ``verify_s`` and ``pause_s`` are wall time; ``pause_s`` is the time tensors were written.
+    ``kind`` is ``"anchor"`` when a full version was applied, ``"delta"`` when only deltas
+    were, ``"none"`` when the tensors already were at the target.
+    """
+
+    version: int
+    from_version: int | None
+    applied: tuple[int, ...]
+    kind: Literal["anchor", "delta", "none"]
+    changed_elements: int
+    total_elements: int
+    payload_bytes: int
+    dense_bytes: int
+    frames: int
+    fetch_s: float
+    decode_s: float
+    verify_s: float
+    pause_s: float
+    total_s: float
+
+
+class Subscriber:
+    """Keeps ``tensors`` at a committed version of the store at ``url``.
+
+    ``tensors`` + ``version``: tensors already at ``version``; checked once against its
+    manifest (Adler-32 of every tensor) before the first delta is applied. ``tensors`` alone:
+    preallocated buffers of unknown content, filled from the newest anchor by the first sync.
+    Neither: the first sync allocates tensors on ``device`` from the newest anchor.
+
+    A version that changes the tensor table (a tensor added, removed, reshaped or retyped; an
+    anchor) is followed by a subscriber that allocated its tensors: it allocates new ones
+    (:attr:`tensors` is then a new mapping). Tensors the caller handed over are never
+    reallocated: :meth:`sync` raises :class:`~deltastore.errors.TableChangedError` before
+    fetching anything. When the state the tensors hold does not fit the store's chain (the
+    store holds another state of their version, or the target does not descend from it),
+    :meth:`sync` goes back to the newest anchor at or below the target, logs a warning, and
+    applies it in place (verified before writing, like any version).
+
+    ``layout``: the tensors are the engine's local tensors, holding boxes of the global ones as
+    the :class:`~deltastore.layout.boxes.Layout` says (TP shards, fused, stacked, renamed); changes
+    are applied in those coordinates and frames no box touches are not fetched. ``group``: a
+    ``torch.distributed`` process group of the engine's ranks (each with its own layout and
+    tensors); the ranks split the frames, exchange decoded changes, verify together and write
+    only when every rank verified. With a group, every rank calls :meth:`sync` and
+    :meth:`verify` together (they are collectives); the target of ``sync()`` is rank 0's.
+    ``pause`` / ``resume``: called around the write phase (e.g. to pause the engine's
+    generation); ``resume`` is called even when writing fails. ``signing_key``: a
+    :class:`~deltastore.SigningKey` (or several, during a key rotation); every manifest
+    must then be signed with one of them for its own version, checked before any frame is
+    fetched (:class:`~deltastore.SignatureError`). Default: ``DELTASTORE_SIGNING_KEY``
+    if set; None: signatures are not checked.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str] | Store,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        tensors: MutableMapping[str, torch.Tensor] | None = None,
+        version: int | None = None,
+        device: str | torch.device = "cpu",
+        max_workers: int = 4,
+        max_inflight_bytes: int = 256 << 20,
+        max_frame_bytes: int = 1 << 30,
+        layout: Layout | None = None,
+        group: Any | None = None,
+        pause: Callable[[], None] | None = None,
+        resume: Callable[[], None] | None = None,
+        signing_key: KeyOption = FROM_ENV,
+    ) -> None:
+        if version is not None and tensors is None:
+            raise ValueError("version= needs tensors=: the tensors that are at that version")
+        if max_workers < 1 or max_inflight_bytes < 1 or max_frame_bytes < 1:
+            raise ValueError("max_workers, max_inflight_bytes and max_frame_bytes must be positive")
+        self.store = open_store(url, storage_options)
+        self._tensors = tensors
+        self._version = version
+        self._verified = version is None
+        self._digest: str | None = None
+        self._adler: dict[str, int] = {}
+        self._table: Table | None = None  # the table of the version the tensors are at
+        self._owned = tensors is None  # allocated here: reallocated when the table changes
+        self._device = torch.device(device)
+        self._max_frame_bytes = max_frame_bytes
+        self._frames = Fetcher(self.store, max_workers, max_inflight_bytes)
+        self._group = Group(group)
+        self._hooks = (pause, resume)
+        self._layout = (
+            None if layout is None and group is None else LayoutSync(layout, self._group, _scatter)
+        )
+        self._manifests: OrderedDict[int, Manifest] = OrderedDict()
+        self._seen: int | None = None  # newest committed version seen by latest()
+        self._hint: tuple[str | None, int | None] = (None, None)  # LATEST (token, version)
+        self._keys = resolve_keys(signing_key)
+
+    @property
+    def tensors(self) -> MutableMapping[str, torch.Tensor] | None:
+        """The tensors kept in sync (None before the first sync of a fresh subscriber)."""
+        return self._tensors
+
+    @property
+    def version(self) -> int | None:
+        """The version the tensors are at (None: unknown / not yet synced)."""
+        return self._version
+
+    # --- store reads --------------------------------------------------------------------
+
+    def versions(self) -> list[int]:
+        """Every committed version, ascending (a committed version is one whose manifest exists)."""
+        keys = self.store.list(MANIFEST_PREFIX)
+        return sorted(v for k in keys if (v := version_of_key(k)) is not None)
+
+    def latest(self) -> int | None:
+        """Newest committed version, or None when the store has none.
+
+        A poll is cheap: a HEAD of ``LATEST`` (re-read only when its token changed; its
+        manifest must exist with the SHA-256 it names, else the hint is ignored), then a
+        listing of ``manifests/`` after the newest version known, since ``LATEST`` is only a
+        hint and a committed manifest may be newer than it.
+        """
+        floor = max((v for v in (self._latest_hint(), self._seen) if v is not None), default=None)
+        keys = (
+            self.store.list(MANIFEST_PREFIX)
+            if floor is None
+            else self.store.list_after(MANIFEST_PREFIX, manifest_key(floor))
+        )
+        newer = [v for k in keys if (v := version_of_key(k)) is not None]
+        self._seen = max(newer, default=floor)
+        return self._seen
+
+    def _latest_hint(self) -> int | None:
+        try:
+            token = self.store.head_token(LATEST_KEY)
+            if token is None:
+                return None
+            if token == self._hint[0]:
+                return self._hint[1]
+            hint = parse_latest(self.store.get(LATEST_KEY))
+            body = self.store.get(manifest_key(hint.version))
+        except DeltastoreError as exc:
+            log.info("LATEST hint unusable (%s); listing manifests", exc)
+            return None
+        if hashlib.sha256(body).hexdigest() != hint.sha256:
+            log.warning(
+                "possible fork: two publishers may have committed version %d of store %s "
+                "(LATEST names another SHA-256 than its manifest's); LATEST ignored: stop all "
+                "publishers but one and run `deltastore verify`",
+                hint.version,
+                self.store.url,
+            )
+            self._hint = (token, None)  # warned once for this LATEST
+            return None
+        if hint.version not in self._manifests:  # read anyway: spare sync() a second GET
+            try:
+                self._remember(hint.version, body)
+            except DeltastoreError as exc:
+                log.warning("LATEST names a damaged manifest (%s); ignored", exc)
+                return None
+        self._hint = (token, hint.version)
+        return hint.version
+
+    def manifest(self, version: int) -> Manifest:
+        """The parsed, validated manifest of ``version`` (cached; manifests are immutable)."""
+        cached = self._manifests.get(version)
+        if cached is not None:
+            return cached
+        key = manifest_key(version)
+        try:
+            data = self.store.get(key)
+        except ObjectNotFoundError:
+            raise ManifestNotFoundError(
+                f"version {version} is not committed in store {self.store.url}"
+            ) from None
+        return self._remember(version, data)
+
+    def _remember(self, version: int, data: bytes) -> Manifest:
+        """Parse the manifest bytes of ``version`` and keep the result in the cache."""
+        key = manifest_key(version)
+        m = parse_manifest(data, key=key)
+        verify_manifest(m, self._keys, version=version, name=key)  # before any frame is fetched
+        if m.version != version:
+            raise ManifestError(f"{key} claims version {m.version}; the store is damaged")
+        self._manifests[version] = m
+        while len(self._manifests) > 32:
+            self._manifests.popitem(last=False)
+        return m
+
+    # --- sync ---------------------------------------------------------------------------
+
+    def verify(self) -> None:
+        """Check every tensor against the current version's manifest (O(model bytes)).
+
+        Raises :class:`TensorMismatchError` when a tensor is not at :attr:`version`.
+        """
+        if self._version is None or self._tensors is None:
+            raise ChainError("nothing to verify: the tensors are at no known version; sync() first")
+        m = self.manifest(self._version)
+        if self._layout is not None:
+            self._tensors = self._layout.bind(m, self._tensors, self._device)
+            raise_if_mismatched(self._layout.check(m, self._tensors), m)
+        else:
+            check_table(self._tensors, m, exact=False)
+            check_contents(self._tensors, m)
+        self._set_state(m)
+        self._verified = True
+
+    def sync(
+        self,
+        version: int | None = None,
+        *,
+        progress: ProgressFn | None = None,
+        on_version: Callable[[Manifest], None] | None = None,
+    ) -> SyncReport:
+        """Bring the tensors to ``version`` (default: the newest committed one).
+
+        Applies the chain of versions from the current one (or from the newest anchor at or
+        below the target, also when the current state does not fit the store's chain) in
+        order; each version is applied whole or not at all. On error the tensors stay at the
+        last version fully applied, and :attr:`version` says which. A change of the tensor
+        table raises :class:`~deltastore.errors.TableChangedError` first when the tensors are
+        the caller's.
+        ``progress`` is called (from worker threads, serialized) after each frame, in stored
+        bytes; ``on_version`` after each version is applied, with its manifest, before the
+        next one starts (e.g. to record the state durably).
+        """
+        t_start = time.perf_counter()
+        if not self._verified:
+            self.verify()
+        target = self.latest() if version is None and self._group.rank == 0 else version
+        if self._group.world > 1:  # every rank goes to rank 0's target
+            target = self._group.broadcast_int(-1 if target is None else target)
+            target = None if target < 0 else target
+        if target is None:
+            raise ManifestNotFoundError(f"store {self.store.url} holds no committed version yet")
+        start = self._version
+        if start is not None and target < start:
+            raise ChainError(
+                f"the tensors are at version {start}, newer than the requested {target}"
+            )
+        steps = self._plan(target)
+        self._check_tables(steps)
+        timer = Timer(
+            progress,
+            sum(len(t.frames) for m in steps for t in m.tensors.values()),
+            sum(m.payload_bytes for m in steps),
+        )
+        verify_s = pause_s = 0.0
+        for m in steps:
+            v_s, p_s = self._apply(m, timer)
+            verify_s, pause_s = verify_s + v_s, pause_s + p_s
+            if on_version is not None:
+                on_version(m)
+        kind: Literal["anchor", "delta", "none"] = (
+            "none" if not steps else "anchor" if any(m.kind == "anchor" for m in steps) else "delta"
+        )
+        last = steps[-1] if steps else self.manifest(target)  # no store read after applying
+        return SyncReport(
+            version=target,
+            from_version=start,
+            applied=tuple(m.version for m in steps),
+            kind=kind,
+            changed_elements=sum(m.changed_elements for m in steps),
+            total_elements=last.total_elements,
+            payload_bytes=timer.fetched_bytes,  # with a layout: only the frames it touches
+            dense_bytes=last.dense_bytes,
+            frames=timer.fetched_frames,
+            fetch_s=timer.fetch,
+            decode_s=timer.decode,
+            verify_s=verify_s,
+            pause_s=pause_s,
+            total_s=time.perf_counter() - t_start,
+        )
+
+    def _plan(self, target: int) -> list[Manifest]:
+        """Versions to apply, oldest first (see :func:`deltastore.sync.chain.plan`)."""
+        held = (
+            None
+            if self._version is None or self._digest is None
+            else Held(self._version, self._digest, self._adler)
+        )
+        steps, why = plan(self.store.url, target, held, self.manifest, self._forget)
+        if why is not None:
+            log.warning(
+                "store %s: %s; recovering from anchor %d, the newest at or below %d",
+                self.store.url,
+                why,
+                steps[0].version,
+                target,
+            )
+        return steps
+
+    def _forget(self, version: int | None) -> None:
+        """Drop a cached manifest that is not the store's any more (a publisher race), or
+        every cached one (None)."""
+        if version is None:
+            self._manifests.clear()
+        else:
+            self._manifests.pop(version, None)
+
+    def _check_tables(self, steps: list[Manifest]) -> None:
+        """Before anything is fetched: a change of the tensor table along ``steps`` needs an
+        anchor, and tensors this subscriber may reallocate."""
+        table, held = self._table, self._version
+        for m in steps:
+            new = table_of_manifest(m)
+            if table is not None and new != table:
+                if m.kind == "delta":
+                    raise delta_changes_table(table, m, held)
+                if not self._owned:
+                    raise table_changed(table, m, held)
+            table, held = new, m.version
+
+    def _hold(self, version: int, digest: str, adler: dict[str, int]) -> None:
+        """Take the tensors as being at the state ``digest`` of ``version`` with per-tensor
+        Adler-32 ``adler``, as checked by the caller (a folder, against its sidecar); the
+        store's manifest of ``version`` may hold another state."""
+        if self._tensors is None or self._layout is not None:
+            raise ValueError("_hold needs tensors and no layout")
+        self._version, self._digest, self._adler = version, digest, dict(adler)
+        self._table = {
+            n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in self._tensors.items() if n in adler
+        }
+        self._verified = True
+
+    def _set_state(self, m: Manifest) -> None:
+        self._version, self._digest = m.version, m.state_digest
+        self._adler = {n: e.adler32 for n, e in m.tensors.items()}
+        self._table = table_of_manifest(m)
+
+    def _apply(self, m: Manifest, timer: Timer) -> tuple[float, float]:
+        """Apply one version; return (verify seconds, pause seconds)."""
+        check_frames(m, self._max_frame_bytes)
+        fresh = self._tensors is None or self._version is None
+        # a new table (an anchor; only tensors allocated here get so far): new tensors
+        realloc = not fresh and self._table is not None and table_of_manifest(m) != self._table
+        if self._layout is not None:
+            return self._apply_layout(m, timer, fresh=fresh, realloc=realloc)
+        if self._tensors is None or fresh or realloc:
+            return self._bootstrap(m, timer, allocate=self._tensors is None or realloc), 0.0
+        check_table(self._tensors, m, exact=False)
+        self._check_parent(m)
+        tasks = [(name, entry, f) for name, entry in m.tensors.items() for f in entry.frames]
+        delta = m.kind == "delta"
+        staged = self._frames.run(
+            tasks, lambda t, data, dec: self._stage(*t, data, dec, delta), timer
+        )
+        t0 = time.perf_counter()
+        got: dict[str, int] = {}
+        for st, (_, entry, f) in zip(staged, tasks, strict=True):
+            if m.kind == "delta":  # incremental from the verified local state, O(changed)
+                got[st.name] = apply_delta(got.get(st.name, self._adler[st.name]), st.da, st.db)
+            else:  # a full version: every frame was checked directly; they must add up
+                size = itemsize(entry.dtype)
+                got[st.name] = combine(
+                    got.get(st.name, 1), st.frame_adler, (f.stop - f.start) * size
+                )
+        for name, entry in m.tensors.items():
+            value = got.get(name, self._adler[name] if m.kind == "delta" else 1)
+            if value != entry.adler32:
+                raise IntegrityError(
+                    f"version {m.version}: tensor {name} would have Adler-32 {value:08x} after the "
+                    f"update, the manifest says {entry.adler32:08x}; nothing was written"
+                )
+        t1 = time.perf_counter()
+        pause, resume = self._hooks
+        if pause is not None:
+            pause()
+        try:
+            self._scatter(staged)
+        finally:
+            if resume is not None:
+                resume()
+        self._set_state(m)
+        return t1 - t0, time.perf_counter() - t1
+
+    def _check_parent(self, m: Manifest) -> None:
+        """Raise unless the delta ``m`` applies to the local state (the current version)."""
+        if m.kind == "delta" and set(m.tensors) != set(self._adler):
+            raise ManifestError(
+                f"delta {m.version} names other tensors than its parent; a change of tensor "
+                "set needs an anchor: the store was written by a broken publisher"
+            )
+        if m.kind == "delta" and (
+            m.parent is None
+            or m.parent.state_digest != self._digest
+            or any(e.parent_adler32 != self._adler[n] for n, e in m.tensors.items())
+        ):
+            raise WrongParentError(
+                f"version {m.version} is a delta on version "
+                f"{m.parent.version if m.parent else None}, but the tensors are at "
+                f"{self._version} with another state; sync from an anchor instead"
+            )
+
+    def _apply_layout(
+        self, m: Manifest, timer: Timer, *, fresh: bool, realloc: bool
+    ) -> tuple[float, float]:
+        """Apply ``m`` through the layout: staged against the known state; ``fresh``: written
+        in place, state unknown; ``realloc``: into new tensors (kept only if all verified)."""
+        if self._layout is None:  # pragma: no cover - checked by the caller
+            raise ChainError("no layout")
+        if not fresh and not realloc:
+            self._check_parent(m)
+        tensors = self._layout.bind(m, None if realloc else self._tensors, self._device)
+        if not realloc:  # new tensors replace the held ones only once verified
+            self._tensors = tensors
+        direct = fresh or realloc
+        try:
+            out = self._layout.apply(
+                self._frames, m, tensors, None if direct else self._adler, timer, self._hooks
+            )
+        except BaseException:
+            if fresh:  # written in place before the check: no known version any more
+                self._version = self._digest = None
+            raise
+        self._tensors = tensors
+        self._set_state(m)
+        return out
+
+    # --- pipeline -----------------------------------------------------------------------
+
+    def _stage(
+        self, name: str, entry: TensorEntry, f: Frame, data: bytes, dec: FrameDecoder, delta: bool
+    ) -> Staged:
+        """Turn one fetched frame into changes against the local tensor (reads only)."""
+        if self._tensors is None:  # pragma: no cover - guarded by _apply
+            raise ChainError("no tensors")
+        return stage_frame(flat_words(self._tensors[name]), name, entry, f, data, dec, delta)
+
+    def _scatter(self, staged: list[Staged]) -> None:
+        """Write the staged changes; on any error restore the old words and re-raise."""
+        if self._tensors is None:  # pragma: no cover - guarded by _apply
+            return
+        tensors = self._tensors
+        write_all(
+            [
+                (flat_words(tensors[s.name])[s.start :], s.positions, s.old, s.new)
+                for s in staged
+                if s.positions.size
+            ],
+            _scatter,
+        )
+
+    def _bootstrap(self, m: Manifest, timer: Timer, *, allocate: bool) -> float:
+        """Fill tensors from an anchor: into new tensors (``allocate``; they replace the held
+        ones only once verified), or into handed-over buffers."""
+        if m.kind != "anchor":  # pragma: no cover - _plan only starts fresh state at anchors
+            raise ChainError(f"version {m.version} is not an anchor")
+        if self._tensors is not None and not allocate:
+            check_table(self._tensors, m, exact=False)
+            target = self._tensors
+        else:
+            target = {}
+            for name, entry in m.tensors.items():
+                try:
+                    target[name] = torch.empty(
+                        entry.shape, dtype=dtype_from_name(entry.dtype), device=self._device
+                    )
+                except (RuntimeError, MemoryError) as exc:
+                    raise TensorMismatchError(
+                        f"cannot allocate {name} {entry.shape}: {exc}"
+                    ) from None
+        tasks = [(name, entry, f) for name, entry in m.tensors.items() for f in entry.frames]
+
+        def fill(task: tuple[str, TensorEntry, Frame], data: bytes, dec: FrameDecoder) -> int:
+            name, entry, f = task
+            dest = flat_words(target[name])
+            size = itemsize(entry.dtype)
+            if dest.device.type == "cpu":
+                out = dest.numpy().view(word_dtype(size))[f.start : f.stop]
+            else:
+                out = np.empty(f.stop - f.start, dtype=word_dtype(size))
+            dec.into(data, out)
+            got = adler32(out)
+            if got != f.adler32:
+                raise IntegrityError(
+                    f"{name}[{f.start}:{f.stop}]: anchor frame decodes to Adler-32 {got:08x}, "
+                    f"the manifest says {f.adler32:08x}"
+                )
+            if dest.device.type != "cpu":
+                dest[f.start : f.stop].copy_(torch.from_numpy(out.view(signed(size))))
+            return got
+
+        results = self._frames.run(tasks, fill, timer)
+        t0 = time.perf_counter()
+        totals: dict[str, int] = {}
+        for (name, entry, f), got in zip(tasks, results, strict=True):
+            totals[name] = combine(
+                totals.get(name, 1), got, (f.stop - f.start) * itemsize(entry.dtype)
+            )
+        for name, entry in m.tensors.items():
+            if totals.get(name, 1) != entry.adler32:
+                raise IntegrityError(f"{name}: anchor {m.version} does not add up to its Adler-32")
+        self._tensors = target
+        self._set_state(m)
+        return time.perf_counter() - t0
+
+
+__all__ = ["Subscriber", "SyncReport"]
