@@ -37,6 +37,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check deltastore cli tests
 	$(BIN)/ruff format --check deltastore cli tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache --no-logo
 
 schema: $(STAMP)
 	$(BIN)/python -m deltastore.format.schema --write manifests/schema/manifest.v1.schema.json

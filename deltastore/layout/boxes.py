@@ -156,7 +156,7 @@ class Placement:
 
     def span(self) -> tuple[int, int]:
         """Smallest flat range ``[lo, hi)`` of the source holding the box."""
-        return _span(self.source_shape, self.box.offset, self.box.lengths)
+        return flat_span(self.source_shape, self.box.offset, self.box.lengths)
 
     def runs(self) -> tuple[int, int] | None:
         """``(source start, local start)`` when the box is one contiguous run of flat elements
@@ -189,7 +189,11 @@ def _run(offset: Sequence[int], lengths: Sequence[int], shape: Sequence[int]) ->
     return sum(o * s for o, s in zip(offset, _strides(shape), strict=True))
 
 
-def _span(shape: Sequence[int], offset: Sequence[int], lengths: Sequence[int]) -> tuple[int, int]:
+def flat_span(
+    shape: Sequence[int], offset: Sequence[int], lengths: Sequence[int]
+) -> tuple[int, int]:
+    """Smallest flat C-order range ``[lo, hi)`` (element indices) of a tensor of ``shape``
+    that holds the box at ``offset`` with ``lengths``; ``(0, 0)`` for an empty box."""
     if math.prod(lengths) == 0:
         return 0, 0
     strides = _strides(shape)
@@ -226,7 +230,7 @@ def _unravel(
     return mask, coords
 
 
-def _contiguous(shape: Sequence[int], offset: Sequence[int], lengths: Sequence[int]) -> bool:
+def is_contiguous_box(shape: Sequence[int], offset: Sequence[int], lengths: Sequence[int]) -> bool:
     """Whether the box is one contiguous run of flat elements of a tensor of ``shape``."""
     return _run(offset, lengths, shape) is not None
 
@@ -494,6 +498,11 @@ class BoundLayout:
         }
 
 
+# The old private names, kept only until sync/routing.py and sync/ranks.py import the public
+# ones above (issue 12); no name starting with "_" is imported across sub-packages.
+_span = flat_span
+_contiguous = is_contiguous_box
+
 __all__ = [
     "BoundLayout",
     "Box",
@@ -505,8 +514,10 @@ __all__ = [
     "Shard",
     "Stack",
     "covered",
+    "flat_span",
     "fuse",
     "inside",
+    "is_contiguous_box",
     "replicate",
     "shard",
     "stack",
