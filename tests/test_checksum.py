@@ -1,4 +1,5 @@
-"""Property tests of deltastore.format.checksum against zlib's Adler-32 (DESIGN section 4).
+"""Property tests of deltastore.format.checksum against zlib's Adler-32 (docs/spec/format-v1.md,
+section 7.1).
 
 Large buffers come from a numpy generator seeded by hypothesis (drawing 100k-byte buffers
 byte by byte would be slow); sizes, seeds, change sets and word sizes are drawn. Sizes go past

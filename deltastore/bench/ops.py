@@ -1,7 +1,8 @@
 """Measuring tools the benchmark shares: chunked change detection on integer views, the
 detect lower bound, digests, flat model buffers and a peak-RSS meter.
 
-Everything works on flat ``int16`` views of bf16 words (never on floats: DESIGN section 10).
+Everything works on flat ``int16`` views of bf16 words (never on floats: float comparison says
+-0.0 == +0.0 and NaN != NaN; docs/performance.md, Measured limits and pitfalls).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from types import TracebackType
 import numpy as np
 import xxhash
 
-#: Bytes of one comparison chunk (DESIGN section 10: chunked ``not_equal`` + ``flatnonzero``).
+#: Bytes of one comparison chunk (chunked ``not_equal`` into a reused bool buffer, then
+#: ``flatnonzero``: docs/performance.md, Measured limits and pitfalls).
 CHUNK_BYTES = 16 << 20
 
 

@@ -1,11 +1,11 @@
 """The benchmark workload: versions of a synthetic Qwen-like bf16 model made by real AdamW
 steps, generated once and cached as flat files.
 
-DESIGN section 8. fp32 masters (normal(0, 0.02); norms at 1.0), ``torch.optim.AdamW``
-(weight decay 0.01) on seeded normal(0, 1) gradients, cast to bf16. The optimizer starts in
-its stationary state for such gradients, as after a long run (``exp_avg`` ~ normal(0,
-sqrt((1 - beta1) / (1 + beta1))), ``exp_avg_sq`` = E[g^2] = 1, step 1000 so the bias
-corrections are ~1): from zeros, Adam's first steps move every weight by ~``lr`` (4% of bf16
+benchmarks/README.md (Workload) describes it. fp32 masters (normal(0, 0.02); norms at 1.0),
+``torch.optim.AdamW`` (weight decay 0.01) on seeded normal(0, 1) gradients, cast to bf16. The
+optimizer starts in its stationary state for such gradients, as after a long run (``exp_avg``
+~ normal(0, sqrt((1 - beta1) / (1 + beta1))), ``exp_avg_sq`` = E[g^2] = 1, step 1000 so the
+bias corrections are ~1): from zeros, Adam's first steps move every weight by ~``lr`` (4% of bf16
 elements change at lr 1e-6) and the change rate takes tens of steps to settle near the ~1% of
 a long training run. ``warmup`` real steps come before the base version.
 Generation goes tensor by tensor (one tensor's master and optimizer state at a time: 16

@@ -3,9 +3,10 @@
 All functions are pure and thread-safe. Byte positions are 0-based offsets into the buffer the
 checksum covers; element positions are converted with the element size (little-endian words).
 
-Incremental update (DESIGN section 4): when the byte at position ``p`` of an ``n``-byte buffer
-changes by ``d = new - old``, ``A += d`` and ``B += (n - p) * d`` (mod 65521). Done vectorized
-with int64 and ``(n - p)`` reduced mod 65521 before multiplying, so nothing overflows.
+Incremental update (docs/spec/format-v1.md, section 7.1; worked example in 7.2): when the byte
+at position ``p`` of an ``n``-byte buffer changes by ``d = new - old``, ``A += d`` and
+``B += (n - p) * d`` (mod 65521). Done vectorized with int64 and ``(n - p)`` reduced mod 65521
+before multiplying, so nothing overflows.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ Keys are relative POSIX paths made of segments ``[A-Za-z0-9_-][A-Za-z0-9._-]*`` 
 ``/``: no empty segment, no segment starting with ``.`` (so no ``..``), no backslash, NUL,
 scheme or leading ``/``. Nothing a manifest names can escape the store root.
 
-Call order used by deltastore (DESIGN 2.3): data objects with :meth:`Store.put`, then the
-manifest with :meth:`Store.put_if_absent` (the commit point), then ``LATEST`` with
-:meth:`Store.put_if_match` (compare-and-swap). Implementations must be safe to call from
-several threads at once.
+Call order used by deltastore (docs/spec/format-v1.md, section 4.2): data objects with
+:meth:`Store.put`, then the manifest with :meth:`Store.put_if_absent` (the commit point), then
+``LATEST`` with :meth:`Store.put_if_match` (compare-and-swap). Implementations must be safe to
+call from several threads at once.
 """
 
 from __future__ import annotations

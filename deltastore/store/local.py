@@ -1,10 +1,11 @@
 """A store in a local (or NFS-mounted) folder.
 
-Commits follow DESIGN 2.3: write a temp file in the destination folder, fsync it, ``os.link``
-it to the final name (which fails if the name exists: atomic create-if-absent, unlike
-``pipe_file(mode="create")``), fsync the folder. Replacements use ``os.replace``. The
-compare-and-swap of :meth:`LocalStore.put_if_match` holds an ``fcntl.flock`` on
-``<root>/.deltastore.lock``. Temp and lock files start with ``.`` and are never keys.
+Commits follow docs/spec/format-v1.md, section 4.2: write a temp file in the destination
+folder, fsync it, ``os.link`` it to the final name (which fails if the name exists: atomic
+create-if-absent, unlike ``pipe_file(mode="create")``), fsync the folder. Replacements use
+``os.replace``. The compare-and-swap of :meth:`LocalStore.put_if_match` holds an
+``fcntl.flock`` on ``<root>/.deltastore.lock``. Temp and lock files start with ``.`` and are
+never keys.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Applying versions through a receiver :class:`~deltastore.layout.Layout`, on one or many ranks.
 
-Per version (DESIGN sections 5 and 6), every rank of the group runs, in the same order:
+Per version (docs/layouts.md; docs/design/architecture.md, the sync flow), every rank of the
+group runs, in the same order:
 
 1. *Plan*: the frames some rank's boxes touch, split among the ranks (largest first, to the
    least loaded rank; the same on every rank, from the manifest alone), in rounds of bounded

@@ -1,8 +1,8 @@
 """A synthetic Qwen-like bf16 model whose versions come from real AdamW steps.
 
-DESIGN section 8: fp32 master weights (normal(0, 0.02); norms at 1.0), one
-``torch.optim.AdamW`` step per version on seeded random gradients, cast to bf16. At lr 1e-6
-about 1% of bf16 elements change per step. Deterministic for a given config and seed.
+The workload of benchmarks/README.md (Workload): fp32 master weights (normal(0, 0.02); norms
+at 1.0), one ``torch.optim.AdamW`` step per version on seeded random gradients, cast to bf16.
+At lr 1e-6 about 1% of bf16 elements change per step. Deterministic for a given config and seed.
 The shapes are those of :func:`deltastore.layout.presets.hf_shapes`: dense by default, or MoE, with
 q/k/v biases, q/k norms or tied embeddings (:class:`ModelConfig` fields). Single-threaded use
 only.
