@@ -498,11 +498,6 @@ class BoundLayout:
         }
 
 
-# The old private names, kept only until sync/routing.py and sync/ranks.py import the public
-# ones above (issue 12); no name starting with "_" is imported across sub-packages.
-_span = flat_span
-_contiguous = is_contiguous_box
-
 __all__ = [
     "BoundLayout",
     "Box",
