@@ -1063,6 +1063,45 @@ def test_help_shows_upper_case_arguments_and_no_value_for_flags() -> None:
         assert "<int>" not in out or name in ("publish", "demo", "bench"), name
 
 
+def test_demo_and_bench_sizes_are_the_names_of_the_one_sizes_table() -> None:
+    from deltastore.testing.sizes import SIZES
+
+    assert "<" + "|".join(SIZES) + ">" in ok("demo", "--help").stdout
+    for command in ("demo", "bench"):
+        unknown = cli(command, "--size", "huge")
+        assert unknown.exit_code == common.EXIT_USAGE
+        message = re.sub(r"[\s│]+", " ", unknown.stderr)  # unwrap the error box
+        assert f"'huge' is not one of {', '.join(map(repr, SIZES))}." in message, message
+    for name in SIZES:  # case-insensitive (bench then stops at its empty --store)
+        parsed = cli("bench", "--size", name.upper(), "--store", ",")
+        assert parsed.exit_code == common.EXIT_USAGE and "--store names no store" in parsed.stderr
+
+
+def test_importing_the_cli_imports_no_torch() -> None:
+    """Every command module is imported with the app; the library only when a command runs."""
+    code = "import sys, deltastore_cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_an_error_while_printing_the_result_is_not_handled_as_the_commands_error(
+    chain: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The outcome is settled before the result is printed: a closed stdout pipe then ends the
+    command as click ends it (exit 1, nothing on stderr), not with an ``error:`` line."""
+    store, _ = chain
+
+    def closed_pipe(*args: Any, **kwargs: Any) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(common.out_console, "print", closed_pipe)
+    result = cli("log", store)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    assert result.stderr == ""
+    failed = cli("show", store, "42")  # an error of the work: its line and code
+    assert_one_line_error(failed, common.EXIT_NOT_FOUND)
+
+
 def test_gc_says_that_orphans_is_required(tmp_path: Path) -> None:
     help_text = ok("gc", "--help").stdout
     assert re.search(r"Usage: \S+ gc --orphans \[OPTIONS\] STORE\s", help_text), help_text
@@ -1163,8 +1202,9 @@ if sys.argv[1] == "after-print":  # Ctrl-C lands right after the result is print
 elif sys.argv[1] == "during-work":
     import deltastore.maintenance.history
     deltastore.maintenance.history.version_log = ctrl_c
-elif sys.argv[1] == "before-work":  # outside handle_errors
-    cli.parse_storage_options = ctrl_c
+elif sys.argv[1] == "before-work":  # pull parses its options before the work
+    from deltastore_cli import pull
+    pull.parse_storage_options = ctrl_c
 sys.argv = ["deltastore", *sys.argv[2:]]
 cli.main()
 """

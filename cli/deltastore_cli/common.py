@@ -1,4 +1,4 @@
-"""CLI plumbing: exit codes, error messages, progress bars, logging, option parsing."""
+"""CLI plumbing: exit codes, the one error handler, Ctrl-C, progress bars, logging, options."""
 
 from __future__ import annotations
 
@@ -114,7 +114,8 @@ class Run:
 
     #: Set by :func:`deltastore_cli.main`: the process ends with the command (not CliRunner).
     console_script: bool = False
-    #: The command's outcome is decided: its work finished or failed.
+    #: The command's outcome is decided: its work finished or failed (reset when a command
+    #: starts: in-process runs such as tests run several commands in one process).
     settled: bool = False
     #: "interrupted" was printed.
     interrupt_reported: bool = False
@@ -125,7 +126,12 @@ RUN = Run()
 
 def settle() -> None:
     """The command's outcome is decided: from here on, in the console script, Ctrl-C is
-    ignored, so a result that is printed is the result the process exits with."""
+    ignored, so a result that is printed is the result the process exits with.
+
+    Every command calls it once its work is done, right before it prints the result; the
+    error handler (:func:`command_failed`) calls it when the work fails. An error raised after
+    it (while printing) is not the command's outcome and is not handled. Signals are changed
+    only from the main thread."""
     RUN.settled = True
     if RUN.console_script and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -138,25 +144,33 @@ def report_interrupt() -> None:
         err_console.print("interrupted", highlight=False)
 
 
-@contextmanager
-def handle_errors(ctx: typer.Context) -> Iterator[None]:
-    """Turn library errors into one clear line and a stable exit code (traceback with -v).
+#: What ends a command with one line and an exit code (:func:`command_failed`): Ctrl-C and
+#: these errors. Any other exception is a bug and keeps its traceback.
+HANDLED: tuple[type[BaseException], ...] = (KeyboardInterrupt, DeltastoreError, OSError, ValueError)
 
-    Wraps a command's work: when it ends, the outcome is settled (see :func:`settle`)."""
-    verbose = settings(ctx).verbose
-    try:
-        yield
-    except KeyboardInterrupt:
-        settle()
-        report_interrupt()
-        raise typer.Exit(EXIT_INTERRUPTED) from None
-    except (DeltastoreError, OSError, ValueError) as exc:
-        settle()
-        if verbose:
-            err_console.print_exception()
-        err_console.print(Text.assemble(("error:", "red"), " ", str(exc)), highlight=False)
-        raise typer.Exit(exit_code(exc)) from None
+
+def print_error(message: str) -> None:
+    """The one error line on stderr: ``error: <message>``, the message printed verbatim (never
+    read as rich markup)."""
+    err_console.print(Text.assemble(("error:", "red"), " ", message), highlight=False)
+
+
+def command_failed(exc: BaseException, *, verbose: int) -> typer.Exit:
+    """The one error handler: settle the outcome, print the line for ``exc`` (a
+    :data:`HANDLED` exception that ended a command's work) and return the :class:`typer.Exit`
+    to raise: the code of :func:`exit_code`, or 130 and "interrupted" for Ctrl-C.
+
+    Call it inside the ``except`` block: with ``verbose`` (``-v``) the traceback of the
+    exception being handled comes first. The app's group calls it for every command
+    (``deltastore_cli.app.App``); commands do not catch these errors themselves."""
     settle()
+    if isinstance(exc, KeyboardInterrupt):
+        report_interrupt()
+        return typer.Exit(EXIT_INTERRUPTED)
+    if verbose:
+        err_console.print_exception()
+    print_error(str(exc))
+    return typer.Exit(exit_code(exc))
 
 
 def parse_storage_options(

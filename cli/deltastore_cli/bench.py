@@ -1,0 +1,98 @@
+"""``deltastore bench``: deltastore against dense, COO and xor-dense baselines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.text import Text
+
+from deltastore_cli.common import (
+    EXIT_ERROR,
+    EXIT_MISMATCH,
+    err_console,
+    out_console,
+    parse_storage_options,
+    print_error,
+    settings,
+    settle,
+)
+from deltastore_cli.options import SizeOpt, StorageOpt
+
+
+def bench(
+    ctx: typer.Context,
+    size: SizeOpt = "large",
+    store: Annotated[
+        str,
+        typer.Option(help="Comma-separated stores: local, moto (S3 over HTTP), or store URLs."),
+    ] = "local,moto",
+    versions: Annotated[int, typer.Option(min=1, help="Measured versions (deltas).")] = 3,
+    lr: Annotated[float, typer.Option(min=0.0, help="AdamW learning rate.")] = 1e-6,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    warmup: Annotated[int, typer.Option(min=0, help="AdamW steps before the base version.")] = 1,
+    workdir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Workload cache folder.",
+            show_default="$XDG_CACHE_HOME or ~/.cache, /deltastore/bench",
+        ),
+    ] = None,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Write the results as JSON to this file.")
+    ] = None,
+    markdown_path: Annotated[
+        Path | None, typer.Option("--markdown", help="Write the markdown report to this file.")
+    ] = None,
+    plot_path: Annotated[
+        Path | None, typer.Option("--plot", help="Write a PNG chart (needs matplotlib).")
+    ] = None,
+    storage_option: StorageOpt = None,
+) -> None:
+    """Benchmark deltastore against dense, COO and xor-dense baselines; print the report."""
+    from deltastore.bench import (
+        BenchOptions,
+        PlotUnavailable,
+        check_plot,
+        markdown,
+        plot,
+        run_bench,
+    )
+
+    quiet = settings(ctx).quiet
+    stores = [s.strip() for s in store.split(",") if s.strip()]
+    if not stores:
+        raise typer.BadParameter("--store names no store")
+    if plot_path is not None:
+        try:
+            check_plot()  # before the run, not after it
+        except PlotUnavailable as exc:  # an ImportError: not an error the app handles
+            print_error(str(exc))
+            raise typer.Exit(EXIT_ERROR) from None
+    result = run_bench(
+        BenchOptions(
+            size=size,
+            stores=stores,
+            versions=versions,
+            lr=lr,
+            seed=seed,
+            warmup=warmup,
+            workdir=workdir,
+            storage_options=parse_storage_options(storage_option),
+            log=(lambda _: None)
+            if quiet
+            else (lambda m: err_console.print(Text(m), highlight=False)),
+        )
+    )
+    report = markdown(result)
+    if json_path is not None:
+        json_path.write_text(result.model_dump_json(indent=1) + "\n")
+    if markdown_path is not None:
+        markdown_path.write_text(report)
+    if plot_path is not None:
+        plot(result, plot_path)
+    settle()
+    out_console.print(Text(report), highlight=False, end="")
+    if not result.exact:
+        raise typer.Exit(EXIT_MISMATCH)

@@ -1,0 +1,45 @@
+"""Options and arguments several commands share (typer ``Annotated`` types).
+
+A command declares ``store: StoreArg`` or ``timeout: TimeoutOpt = None`` and gets the same
+name, help and checks as every other command. Kept apart from :mod:`deltastore_cli.app`, which
+imports the command modules, so that those modules can import these types. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Literal
+
+import typer
+
+from deltastore.testing.sizes import SIZES
+
+StoreArg = Annotated[str, typer.Argument(help="Store: a local folder, file:// or fsspec URL.")]
+StorageOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--storage-option",
+        "-o",
+        metavar="KEY=VALUE",
+        help="Passed to the store's filesystem (repeatable; VALUE is JSON if it parses).",
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+TimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--timeout",
+        min=0.001,
+        metavar="SECONDS",
+        help="Give up a store operation after this long, retries included (each retry is "
+        "logged on stderr).",
+        show_default="120 s",
+    ),
+]
+
+if TYPE_CHECKING:
+    SizeName = str
+else:  # typer reads annotations when the app runs: a choice of the table's names
+    SizeName = Literal[tuple(SIZES)]
+#: ``--size`` of ``demo`` and ``bench``: a name in :data:`deltastore.testing.sizes.SIZES`, the
+#: one table of synthetic model sizes (case-insensitive).
+SizeOpt = Annotated[SizeName, typer.Option(case_sensitive=False, help="Synthetic model size.")]

@@ -1,0 +1,71 @@
+"""``deltastore verify``: check a store for damage (fsck), or a folder ``pull`` wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.text import Text
+
+from deltastore_cli.common import (
+    EXIT_DAMAGED,
+    EXIT_MISMATCH,
+    EXIT_NOT_FOUND,
+    out_console,
+    parse_storage_options,
+    print_json,
+    progress_bar,
+    settle,
+)
+from deltastore_cli.options import JsonOpt, StorageOpt, TimeoutOpt
+
+
+def verify(
+    ctx: typer.Context,
+    store: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="STORE",
+            help="The store (with --checkout: optional, to check the sidecar against it).",
+            show_default=False,
+        ),
+    ] = None,
+    deep: Annotated[
+        bool,
+        typer.Option("--deep", help="Also replay every version and check each tensor's Adler-32."),
+    ] = False,
+    checkout: Annotated[
+        Path | None,
+        typer.Option(
+            "--checkout", metavar="DEST", help="Check a pulled folder against its version instead."
+        ),
+    ] = None,
+    storage_option: StorageOpt = None,
+    timeout: TimeoutOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Check a store for damage (fsck), or with --checkout a folder `pull` wrote."""
+    from deltastore.maintenance.verify import verify_checkout, verify_store
+
+    if checkout is None and store is None:
+        raise typer.BadParameter("give STORE, or --checkout DEST")
+    if checkout is not None and deep:
+        raise typer.BadParameter("--deep checks a store; drop it with --checkout")
+    options = parse_storage_options(storage_option, timeout=timeout)
+    with progress_bar(ctx, "verify") as progress:
+        if checkout is not None:
+            report = verify_checkout(checkout, store, storage_options=options)
+        elif store is not None:
+            report = verify_store(store, deep=deep, storage_options=options, progress=progress)
+    settle()
+    if json_out:
+        print_json(report.to_json())
+    else:
+        for problem in report.problems:
+            out_console.print(Text(problem.line()), highlight=False)
+        out_console.print(Text(report.summary()), highlight=False)
+    if report.empty:  # a store without any version: nothing was verified
+        raise typer.Exit(EXIT_NOT_FOUND)
+    if not report.ok:
+        raise typer.Exit(EXIT_MISMATCH if checkout is not None else EXIT_DAMAGED)
