@@ -8,7 +8,8 @@
   and importing every library module load neither typer nor rich; ``import deltastore.format``
   and ``import deltastore.store`` load no torch.
 - No ``_private`` name of one sub-package is imported by another (an AST scan), so what a
-  sub-package offers the others is its public names.
+  sub-package offers the others is its public names; the top-level helpers every layer uses
+  (``progress``, ``_lazy``, ``_version``) import only the standard library.
 - The module paths users may have imported before the move keep working: the deprecated ones
   (``deltastore.publisher``, ``deltastore.subscriber``, ``deltastore.presets``) for one release,
   with a DeprecationWarning; ``deltastore.layout`` and ``deltastore.store.*`` without one.
@@ -180,6 +181,19 @@ def test_the_private_import_scan_finds_what_it_should(tmp_path: Path) -> None:
         "deltastore.sync.a:4 deltastore.format._keys: ['_keys']",
     ]
     assert module_name(CLI / "__init__.py", CLI.parent) == "deltastore_cli"
+
+
+@pytest.mark.parametrize("helper", ["progress.py", "_lazy.py", "_version.py"])
+def test_top_level_helpers_import_nothing_of_deltastore(helper: str) -> None:
+    """The helpers every layer uses sit below all of them (the layers contract does not list
+    them): they import only the standard library (``_lazy`` imports by name at run time)."""
+    tree = ast.parse((LIBRARY / helper).read_text())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [
+        n.module or "." for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0
+    ]
+    imported += ["." for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level > 0]
+    assert [m for m in imported if m.split(".")[0] not in sys.stdlib_module_names] == []
 
 
 @pytest.mark.parametrize(
