@@ -35,9 +35,9 @@ from deltastore.errors import (
     WrongParentError,
 )
 from deltastore.format.checksum import adler32
-from deltastore.format.dtypes import np_words
 from deltastore.format.manifest import manifest_key, state_digest
 from deltastore.store.base import validate_key
+from deltastore.tensors.dtypes import np_words
 
 SHAPES: dict[str, tuple[int, ...]] = {
     "model.embed_tokens.weight": (1000, 300),  # 300k elements, ~10 frames of 64 KiB

@@ -45,9 +45,9 @@ from deltastore.checkpoint.safetensors import (
     table_of,
 )
 from deltastore.errors import DeltastoreError, IntegrityError, ObjectNotFoundError
-from deltastore.format.dtypes import DTYPES
 from deltastore.format.manifest import manifest_key, parse_manifest
 from deltastore.progress import Progress
+from deltastore.tensors.dtypes import DTYPES
 from deltastore.testing.synthetic import TINY, AdamWTrajectory
 
 Tensors = dict[str, torch.Tensor]

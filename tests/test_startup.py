@@ -165,9 +165,19 @@ def test_type_checking_imports_match_the_lazy_exports() -> None:
 
 def test_dtype_names_and_sizes_need_no_torch_and_match_torch() -> None:
     from deltastore.format import dtypes
+    from deltastore.tensors.dtypes import DTYPES, dtype_name, torch_word_dtype
 
-    assert set(dtypes.ITEMSIZES) == set(dtypes.DTYPES)  # this torch has every format dtype
+    assert set(dtypes.ITEMSIZES) == set(DTYPES)  # this torch has every format dtype
     for name, size in dtypes.ITEMSIZES.items():
-        assert dtypes.DTYPES[name] is getattr(torch, name)
+        assert DTYPES[name] is getattr(torch, name)
         assert dtypes.itemsize(name) == size == getattr(torch, name).itemsize, name
-        assert dtypes.dtype_name(getattr(torch, name)) == name
+        assert dtype_name(getattr(torch, name)) == name
+        info = dtypes.TABLE[name]
+        assert info.word == dtypes.word_dtype(size) and info.word.kind == "u", name
+        assert info.signed.itemsize == size and info.signed == dtypes.signed_word_dtype(size)
+        assert torch_word_dtype(size) is DTYPES[info.signed.name], name
+    assert dtypes.SAFETENSORS_NAMES["BF16"] == "bfloat16"
+    assert set(dtypes.SAFETENSORS_CODES) == set(dtypes.NAMES) - {
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+    }

@@ -20,7 +20,8 @@ from deltastore.errors import StoreError
 from deltastore.publish.publisher import Publisher
 from deltastore.store import LocalStore, open_store
 from deltastore.sync.subscriber import Subscriber
-from deltastore.testing.synthetic import SMALL, AdamWTrajectory, ModelConfig
+from deltastore.testing.sizes import SIZES, SMALL, ModelConfig
+from deltastore.testing.synthetic import AdamWTrajectory
 
 #: Store used when none is given: a folder under the working directory.
 DEFAULT_STORE = "deltastore-demo"
@@ -80,7 +81,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def run_demo(
     store: str | None = None,
     *,
-    config: ModelConfig = SMALL,
+    config: ModelConfig | str = SMALL,
     versions: int = 5,
     receivers: int = 2,
     seed: int = 0,
@@ -89,11 +90,16 @@ def run_demo(
     """Publish ``versions`` versions (v1 an anchor, then AdamW steps at lr 1e-6) and sync
     ``receivers`` fresh subscribers after each, comparing them bit-wise with the trainer.
 
+    ``config`` is a model shape or a size name of :data:`deltastore.testing.sizes.SIZES`.
     ``store`` defaults to ``./deltastore-demo`` (emptied first); a given store continues
     after its newest version with a new anchor.
     """
     if versions < 1 or receivers < 1:
         raise ValueError("versions and receivers must be at least 1")
+    if isinstance(config, str):
+        if config not in SIZES:
+            raise ValueError(f"unknown size {config!r}; choose one of {list(SIZES)}")
+        config = SIZES[config]
     if store is None:
         _fresh_default_store(Path(DEFAULT_STORE))
         store = DEFAULT_STORE

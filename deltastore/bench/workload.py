@@ -1,23 +1,20 @@
 """The benchmark workload: versions of a synthetic Qwen-like bf16 model made by real AdamW
-steps, generated once and cached as flat files.
+steps, generated once and cached as flat files; benchmarks/README.md (Workload) describes it.
 
-benchmarks/README.md (Workload) describes it. fp32 masters (normal(0, 0.02); norms at 1.0),
-``torch.optim.AdamW`` (weight decay 0.01) on seeded normal(0, 1) gradients, cast to bf16. The
-optimizer starts in its stationary state for such gradients, as after a long run (``exp_avg``
-~ normal(0, sqrt((1 - beta1) / (1 + beta1))), ``exp_avg_sq`` = E[g^2] = 1, step 1000 so the
-bias corrections are ~1): from zeros, Adam's first steps move every weight by ~``lr`` (4% of bf16
-elements change at lr 1e-6) and the change rate takes tens of steps to settle near the ~1% of
-a long training run. ``warmup`` real steps come before the base version.
-Generation goes tensor by tensor (one tensor's master and optimizer state at a time: 16
-bytes per element of the largest tensor, ~5 GB for the large model's embedding), writing
-each version's bf16 words into its own flat file.
+The weights come from the one AdamW generator, :class:`deltastore.testing.synthetic.AdamWTensor`
+(fp32 masters, AdamW from its stationary state on seeded normal(0, 1) gradients, cast to bf16;
+its module docstring says why the stationary start). ``warmup`` real steps come before the base
+version. Generation goes tensor by tensor (one tensor's master and optimizer state at a time,
+in buffers reused from tensor to tensor: 16 bytes per element of the largest tensor, ~5 GB for
+the large model's embedding), writing each version's bf16 words into its own flat file.
 
 Cache folder ``<workdir>/<size>-lr<lr>-seed<seed>-w<warmup>-v<versions>-ss/``: ``v000.bin`` (the
 base), ``v001.bin`` ... (the measured versions; words of every tensor, in table order, no
 padding), ``index.json`` (:class:`WorkloadIndex`: tensors, offsets, changed counts, digests)
 and ``COMPLETE`` (SHA-256 of ``index.json``), written last: a folder without a matching marker
 is generated again. Deterministic for a given spec (random streams depend on the seed, the
-tensor's position and the step, not on threads).
+tensor's position and the step, not on threads); version ``i`` equals version ``i`` of an
+:class:`~deltastore.testing.synthetic.AdamWTrajectory` with the same size, lr, seed and warm-up.
 """
 
 from __future__ import annotations
@@ -39,14 +36,12 @@ import xxhash
 from pydantic import BaseModel, ConfigDict
 
 from deltastore.bench.ops import Differ
-from deltastore.testing.synthetic import LARGE, MEDIUM, SMALL, ModelConfig
+from deltastore.testing.sizes import SIZES as SIZES
+from deltastore.testing.sizes import ModelConfig
+from deltastore.testing.synthetic import AdamWTensor
 
-#: Benchmark sizes by name.
-SIZES: dict[str, ModelConfig] = {"small": SMALL, "medium": MEDIUM, "large": LARGE}
 INDEX = "index.json"
 MARKER = "COMPLETE"
-#: Elements per random-number chunk (each chunk has its own seeded stream).
-_RNG_CHUNK = 1 << 22
 
 Log = Callable[[str], None]
 
@@ -231,25 +226,6 @@ def _layout(config: ModelConfig) -> list[TensorInfo]:
     return out
 
 
-def _fill_normal(
-    out: np.ndarray, seed: list[int], pool: ThreadPoolExecutor, scale: float = 1.0
-) -> None:
-    """``out`` (float32) <- normal(0, scale), one seeded torch stream per chunk (torch's
-    vectorized ``normal_`` releases the GIL: the chunks run in parallel on ``pool``)."""
-    bounds = [(a, min(a + _RNG_CHUNK, out.size)) for a in range(0, out.size, _RNG_CHUNK)]
-    seeds = np.random.SeedSequence(seed).generate_state(len(bounds), dtype=np.uint64)
-    target = torch.from_numpy(out)
-
-    def work(k: int) -> None:
-        a, b = bounds[k]
-        gen = torch.Generator().manual_seed(int(seeds[k]) >> 1)
-        chunk = target[a:b].normal_(generator=gen)
-        if scale != 1.0:
-            chunk.mul_(scale)
-
-    list(pool.map(work, range(len(bounds))))
-
-
 class _Arena:
     """Buffers reused for every tensor (fresh multi-GB allocations page-fault at ~0.5-2 GB/s):
     fp32 master, gradient and Adam moments, and the bf16 words of two consecutive versions."""
@@ -263,34 +239,21 @@ class _Arena:
     ) -> Iterator[np.ndarray]:
         """The bf16 words of one tensor at the base and after each measured step (the array
         yielded is overwritten two steps later)."""
-        n = info.numel
-        master, grad, exp_avg, exp_avg_sq = (a[:n] for a in self.f32)
-        if info.name.endswith("norm.weight"):
-            master.fill(1.0)
-        else:
-            _fill_normal(master, [spec.seed, index, 0], pool, scale=0.02)
-        param = torch.nn.Parameter(torch.from_numpy(master))
-        param.grad = torch.from_numpy(grad)
-        opt = torch.optim.AdamW([param], lr=spec.lr, weight_decay=0.01, fused=True)
-        # The stationary state for i.i.d. normal(0, 1) gradients (module docstring), in the
-        # reused buffers: as if the trainer had run for a long time.
-        beta1 = 0.9
-        _fill_normal(
-            exp_avg, [spec.seed, index, 1 << 30], pool, scale=((1 - beta1) / (1 + beta1)) ** 0.5
+        tensor = AdamWTensor(
+            info.name,
+            info.shape,
+            position=index,
+            lr=spec.lr,
+            seed=spec.seed,
+            buffers=self.f32,
+            pool=pool,
         )
-        exp_avg_sq.fill(1.0)
-        opt.state[param] = {
-            "step": torch.tensor(1000.0, dtype=torch.float32),
-            "exp_avg": torch.from_numpy(exp_avg),
-            "exp_avg_sq": torch.from_numpy(exp_avg_sq),
-        }
         for step in range(spec.warmup + spec.versions + 1):
             if step > 0:
-                _fill_normal(grad, [spec.seed, index, step], pool)
-                opt.step()
+                tensor.step()
             if step >= spec.warmup:
-                words = self.words[step % 2][:n]
-                torch.from_numpy(words).view(torch.bfloat16).copy_(param.detach())
+                words = self.words[step % 2][: info.numel]
+                tensor.bf16_into(words)
                 yield words
 
 

@@ -81,13 +81,13 @@ from deltastore.errors import (
     TensorMismatchError,
 )
 from deltastore.format.checksum import adler32
-from deltastore.format.dtypes import np_words
 from deltastore.format.manifest import Manifest, state_digest
 from deltastore.layout.boxes import Layout
 from deltastore.progress import ProgressFn
 from deltastore.publish.publisher import Publisher, PublishReport
 from deltastore.store import open_store
 from deltastore.sync.subscriber import Subscriber, SyncReport
+from deltastore.tensors.dtypes import np_words
 from deltastore.tensors.tables import table_of_manifest
 
 log = logging.getLogger(__name__)

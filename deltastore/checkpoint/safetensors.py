@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from deltastore.errors import TensorMismatchError
-from deltastore.format.dtypes import dtype_from_name, dtype_name, itemsize
+from deltastore.format.dtypes import SAFETENSORS_CODES, SAFETENSORS_NAMES, itemsize
 
 if TYPE_CHECKING:
     import torch
@@ -41,27 +41,6 @@ if TYPE_CHECKING:
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MAX_HEADER_BYTES = 100 << 20
-
-#: safetensors dtype codes by torch format name.
-_ST_CODES = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "int16": "I16",
-    "uint16": "U16",
-    "int32": "I32",
-    "uint32": "U32",
-    "int64": "I64",
-    "uint64": "U64",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "float32": "F32",
-    "float64": "F64",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-    "float8_e8m0fnu": "F8_E8M0",
-}
-_ST_NAMES = {code: name for name, code in _ST_CODES.items()}
 
 
 class CheckpointError(TensorMismatchError):
@@ -125,7 +104,7 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
         if name == "__metadata__":
             continue
         try:
-            dtype = _ST_NAMES[info["dtype"]]
+            dtype = SAFETENSORS_NAMES[info["dtype"]]
             shape = tuple(int(d) for d in info["shape"])
             begin, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
@@ -163,6 +142,8 @@ class MappedCheckpoint:
     def __init__(self, locations: Mapping[str, TensorLocation], *, writable: bool = False) -> None:
         import torch
 
+        from deltastore.tensors.dtypes import dtype_from_name
+
         self._maps: dict[Path, np.memmap] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         for name, loc in locations.items():
@@ -197,7 +178,7 @@ def create_checkpoint(
     ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``. Tensors are
     ordered by element size (largest first), then name, so every tensor is aligned.
     """
-    unsupported = sorted({dtype for dtype, _ in table.values() if dtype not in _ST_CODES})
+    unsupported = sorted({dtype for dtype, _ in table.values() if dtype not in SAFETENSORS_CODES})
     if unsupported:
         raise CheckpointError(
             f"safetensors cannot store dtypes {unsupported}; pull this store with the Python API "
@@ -241,7 +222,7 @@ def _write_empty(
     for name, (dtype, shape) in table.items():
         nbytes = math.prod(shape) * itemsize(dtype)
         header[name] = {
-            "dtype": _ST_CODES[dtype],
+            "dtype": SAFETENSORS_CODES[dtype],
             "shape": list(shape),
             "data_offsets": [offset, offset + nbytes],
         }
@@ -256,6 +237,8 @@ def _write_empty(
 
 def table_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
     """``name -> (dtype name, shape)`` of a tensor mapping."""
+    from deltastore.tensors.dtypes import dtype_name
+
     return {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
 
 

@@ -1,4 +1,6 @@
-"""Format v1 manifests: pydantic models at the I/O edge, store key names, state digests.
+"""Format v1 manifests: pydantic models at the I/O edge, state digests.
+
+Store key names and the key grammar are in :mod:`deltastore.format.keys`.
 
 A manifest (``manifests/<version:020d>.json``) describes one committed version: its tensors
 (dtype, shape, Adler-32 of the new and the parent bytes) and the frames that carry the data.
@@ -34,25 +36,29 @@ from pydantic import (
 
 from deltastore.errors import ManifestError, UnsupportedFormatError
 from deltastore.format.codecs import Codec
-from deltastore.format.dtypes import _NAMES, itemsize
+from deltastore.format.dtypes import NAMES, itemsize
+
+# Key names live in deltastore.format.keys; re-exported here for code that imported them
+# from this module (deltastore's own modules import deltastore.format.keys).
+from deltastore.format.keys import DATA_PREFIX as DATA_PREFIX
+from deltastore.format.keys import KEY_PATTERN as KEY_PATTERN
+from deltastore.format.keys import LATEST_KEY as LATEST_KEY
+from deltastore.format.keys import MANIFEST_KEY_PATTERN, MAX_KEY_LENGTH, OBJECT_PATTERN
+from deltastore.format.keys import MANIFEST_PREFIX as MANIFEST_PREFIX
+from deltastore.format.keys import MAX_VERSION as MAX_VERSION
+from deltastore.format.keys import SEGMENT as SEGMENT
+from deltastore.format.keys import data_prefix as data_prefix
+from deltastore.format.keys import manifest_key as manifest_key
+from deltastore.format.keys import version_of_key as version_of_key
 from deltastore.format.ratios import SizeRatios
 
 FORMAT_VERSION: Final = 1
-MANIFEST_PREFIX: Final = "manifests/"
-DATA_PREFIX: Final = "versions/"
-LATEST_KEY: Final = "LATEST"
 #: Readers refuse manifests larger than this many bytes.
 MAX_MANIFEST_BYTES: Final = 256 << 20
 #: Readers refuse tensors with more elements than this (2**48).
 MAX_ELEMENTS: Final = 1 << 48
 MAX_DIMS: Final = 16
-#: Largest version number (fits a signed 64-bit integer and 20 digits).
-MAX_VERSION: Final = 2**63 - 1
 
-SEGMENT = r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}"
-KEY_PATTERN: Final = rf"^{SEGMENT}(/{SEGMENT})*$"
-OBJECT_PATTERN: Final = rf"^versions/{SEGMENT}(/{SEGMENT})*$"
-_MANIFEST_KEY = re.compile(r"manifests/([0-9]{20})\.json")
 NAME_PATTERN: Final = r"^[^\x00-\x1f\x7f]{1,1024}$"
 #: The same rule as the JSON Schema states it: unpaired surrogates are excluded explicitly
 #: (pydantic refuses them before any pattern is applied; the schema has no such step).
@@ -83,24 +89,7 @@ U32 = Annotated[int, Field(ge=0, le=0xFFFFFFFF)]
 Count = Annotated[int, Field(ge=0, le=MAX_ELEMENTS)]
 Version = Annotated[int, Field(ge=0, le=MAX_VERSION)]
 Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-DtypeName = Literal[_NAMES]  # type: ignore[valid-type]
-
-
-def manifest_key(version: int) -> str:
-    """Store key of the manifest of ``version``."""
-    return f"{MANIFEST_PREFIX}{version:020d}.json"
-
-
-def data_prefix(version: int) -> str:
-    """Store key prefix of the data objects written for ``version``."""
-    return f"{DATA_PREFIX}{version:020d}/"
-
-
-def version_of_key(key: str) -> int | None:
-    """Version number of a manifest key, or None if ``key`` is not a manifest key."""
-    match = _MANIFEST_KEY.fullmatch(key)
-    version = int(match.group(1)) if match else None
-    return version if version is not None and version <= MAX_VERSION else None
+DtypeName = Literal[NAMES]  # type: ignore[valid-type]
 
 
 class _Model(BaseModel):
@@ -134,7 +123,7 @@ class Frame(_Model):
     start: Count
     stop: Count
     codec: Codec
-    object: Annotated[str, Field(pattern=OBJECT_PATTERN, max_length=1024)]
+    object: Annotated[str, Field(pattern=OBJECT_PATTERN, max_length=MAX_KEY_LENGTH)]
     offset: Annotated[int, Field(ge=0, le=2**62)]
     length: Annotated[int, Field(ge=1, le=2**62)]
     xxh3: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
@@ -299,7 +288,7 @@ class Latest(_Model):
 
     format_version: Literal[1]
     version: Version
-    manifest: Annotated[str, Field(pattern=r"^manifests/[0-9]{20}\.json$")]
+    manifest: Annotated[str, Field(pattern=MANIFEST_KEY_PATTERN)]
     sha256: Digest
 
     @model_validator(mode="after")
@@ -322,7 +311,7 @@ def state_digest(table: Iterable[tuple[str, str, list[int], int]]) -> str:
     return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
 
 
-def _load_json(data: bytes, what: str, limit: int | None = None) -> Any:
+def load_json(data: bytes, what: str, limit: int | None = None) -> Any:
     """JSON text under the rules of spec section 6.1: at most ``limit`` bytes, UTF-8 without a
     byte order mark, no NaN/Infinity, no ``-0``, no duplicate member names; strings with an
     unpaired surrogate escape are refused by the (strict) models. ``limit`` defaults to
@@ -366,7 +355,8 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _validation_summary(exc: ValidationError) -> str:
+def validation_summary(exc: ValidationError) -> str:
+    """One line naming the first three problems of a pydantic validation error."""
     errs = exc.errors()
     parts = [f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in errs[:3]]
     more = f" (+{len(errs) - 3} more)" if len(errs) > 3 else ""
@@ -375,7 +365,7 @@ def _validation_summary(exc: ValidationError) -> str:
 
 def parse_manifest(data: bytes, *, key: str = "manifest") -> Manifest:
     """Parse and validate a manifest; typed errors for anything malformed or unknown."""
-    obj = _load_json(data, key)
+    obj = load_json(data, key)
     if not isinstance(obj, dict):
         raise ManifestError(f"{key}: a manifest is a JSON object")
     if "format_version" not in obj:
@@ -394,15 +384,15 @@ def parse_manifest(data: bytes, *, key: str = "manifest") -> Manifest:
     try:
         return Manifest.model_validate(obj)
     except ValidationError as exc:
-        raise ManifestError(f"{key} is malformed: {_validation_summary(exc)}") from None
+        raise ManifestError(f"{key} is malformed: {validation_summary(exc)}") from None
 
 
 def parse_latest(data: bytes) -> Latest:
     """Parse the ``LATEST`` hint; :class:`ManifestError` when it is damaged."""
     try:
-        return Latest.model_validate(_load_json(data, LATEST_KEY, MAX_LATEST_BYTES))
+        return Latest.model_validate(load_json(data, LATEST_KEY, MAX_LATEST_BYTES))
     except ValidationError as exc:
-        raise ManifestError(f"LATEST is malformed: {_validation_summary(exc)}") from None
+        raise ManifestError(f"LATEST is malformed: {validation_summary(exc)}") from None
 
 
 def json_schema() -> str:

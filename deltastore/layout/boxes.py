@@ -26,12 +26,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from deltastore.errors import LayoutError
-from deltastore.format.dtypes import dtype_name
+
+if TYPE_CHECKING:
+    import torch
 
 # --- declarations -------------------------------------------------------------------------
 
@@ -466,6 +468,8 @@ class BoundLayout:
     ) -> None:
         """Raise :class:`LayoutError` unless every local tensor exists, is contiguous, has the
         bound shape and (with ``dtypes``: global name -> dtype name) its sources' dtype."""
+        from deltastore.tensors.dtypes import dtype_name  # torch: only with tensors to check
+
         problems: list[str] = []
         for local, shape in self.local_shapes.items():
             t = tensors.get(local)

@@ -11,13 +11,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from deltastore.errors import ManifestError, ManifestNotFoundError, ObjectNotFoundError
-from deltastore.format.manifest import (
-    MANIFEST_PREFIX,
-    Manifest,
-    manifest_key,
-    parse_manifest,
-    version_of_key,
-)
+from deltastore.format.keys import MANIFEST_PREFIX, manifest_key, version_of_key
+from deltastore.format.manifest import Manifest, parse_manifest
 from deltastore.format.ratios import SizeRatios
 from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys, verify_manifest
 from deltastore.store import Store, open_store

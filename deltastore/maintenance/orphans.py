@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from deltastore.errors import ManifestError, ObjectNotFoundError, StoreError
-from deltastore.format.manifest import DATA_PREFIX, MANIFEST_PREFIX, parse_manifest, version_of_key
+from deltastore.format.keys import DATA_PREFIX, MANIFEST_PREFIX, version_of_key
+from deltastore.format.manifest import parse_manifest
 from deltastore.store import LocalStore, Store, open_store
 
 #: Orphans younger than this many seconds are kept by default: a publish may be writing them.

@@ -22,7 +22,8 @@ from deltastore.errors import FrameError, ObjectNotFoundError
 from deltastore.format.checksum import adler32
 from deltastore.format.codecs import RAW, XOR_SPARSE, FrameDecoder
 from deltastore.format.dtypes import itemsize, word_dtype
-from deltastore.format.manifest import Frame, Manifest, TensorEntry, manifest_key
+from deltastore.format.keys import manifest_key
+from deltastore.format.manifest import Frame, Manifest, TensorEntry
 from deltastore.progress import Ticker
 from deltastore.store import Store
 

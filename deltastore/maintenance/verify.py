@@ -39,17 +39,14 @@ import xxhash
 
 from deltastore.checkpoint.safetensors import CheckpointError, MappedCheckpoint, locate, table_of
 from deltastore.errors import ManifestError, ObjectNotFoundError
-from deltastore.format.manifest import (
+from deltastore.format.keys import (
     DATA_PREFIX,
     LATEST_KEY,
     MANIFEST_PREFIX,
-    Frame,
-    Manifest,
     manifest_key,
-    parse_latest,
-    parse_manifest,
     version_of_key,
 )
+from deltastore.format.manifest import Frame, Manifest, parse_latest, parse_manifest
 from deltastore.maintenance.replay import ADLER32, FRAME, Replay
 from deltastore.progress import ProgressFn, Ticker
 from deltastore.store import Store, open_store

@@ -21,20 +21,22 @@ from deltastore.errors import (
     VersionExistsError,
     VersionOrderError,
 )
-from deltastore.format.manifest import (
+from deltastore.format.keys import (
     LATEST_KEY,
     MANIFEST_PREFIX,
-    MAX_MANIFEST_BYTES,
     MAX_VERSION,
+    manifest_key,
+    version_of_key,
+)
+from deltastore.format.manifest import (
+    MAX_MANIFEST_BYTES,
     Latest,
     Manifest,
     Parent,
     TensorEntry,
     Writer,
-    manifest_key,
     parse_latest,
     state_digest,
-    version_of_key,
 )
 from deltastore.format.signing import SigningKey, sign_manifest
 from deltastore.store import Store

@@ -28,6 +28,7 @@ from deltastore.errors import (
 )
 from deltastore.format.checksum import combine
 from deltastore.format.dtypes import itemsize
+from deltastore.format.keys import data_prefix, manifest_key
 from deltastore.format.manifest import (
     MAX_DIMS,
     MAX_ELEMENTS,
@@ -40,11 +41,9 @@ from deltastore.format.manifest import (
     Parent,
     TensorEntry,
     Version,
-    _load_json,
-    _validation_summary,
-    data_prefix,
-    manifest_key,
+    load_json,
     parse_manifest,
+    validation_summary,
 )
 from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys
 from deltastore.publish.commit import (
@@ -167,9 +166,9 @@ def _anchor_slice(t: PartTensor) -> bool:
 def parse_part(data: bytes, *, key: str = "part") -> Part:
     """Parse and validate a part; :class:`ManifestError` for anything malformed."""
     try:
-        return Part.model_validate(_load_json(data, key))
+        return Part.model_validate(load_json(data, key))
     except ValidationError as exc:
-        raise ManifestError(f"{key} is malformed: {_validation_summary(exc)}") from None
+        raise ManifestError(f"{key} is malformed: {validation_summary(exc)}") from None
 
 
 def _abort_reason(store: Store, version: int) -> str | None:
@@ -264,7 +263,7 @@ def commit_parts(
     except VersionExistsError:
         raise
     except ValidationError as exc:
-        error = ManifestError(f"version {version}: {_validation_summary(exc)}")
+        error = ManifestError(f"version {version}: {validation_summary(exc)}")
         _abort(store, version, error)
         raise error from None
     except DeltastoreError as exc:

@@ -32,7 +32,7 @@ from deltastore.errors import (
     VersionOrderError,
 )
 from deltastore.format.checksum import adler32, combine
-from deltastore.format.dtypes import dtype_name, np_words
+from deltastore.format.keys import data_prefix, manifest_key
 from deltastore.format.manifest import (
     MAX_DIMS,
     MAX_ELEMENTS,
@@ -41,8 +41,6 @@ from deltastore.format.manifest import (
     Manifest,
     Parent,
     TensorEntry,
-    data_prefix,
-    manifest_key,
     parse_manifest,
 )
 from deltastore.format.ratios import SizeRatios
@@ -66,6 +64,7 @@ from deltastore.publish.snapshot import (
     row_range,
 )
 from deltastore.store import Store, open_store
+from deltastore.tensors.dtypes import dtype_name, np_words
 from deltastore.tensors.tables import check_table, raise_if_mismatched
 
 log = logging.getLogger(__name__)

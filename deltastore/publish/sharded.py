@@ -40,14 +40,8 @@ from deltastore.errors import (
     VersionExistsError,
 )
 from deltastore.format.checksum import adler32
-from deltastore.format.dtypes import np_words
-from deltastore.format.manifest import (
-    Frame,
-    Manifest,
-    TensorEntry,
-    manifest_key,
-    parse_manifest,
-)
+from deltastore.format.keys import manifest_key
+from deltastore.format.manifest import Frame, Manifest, TensorEntry, parse_manifest
 from deltastore.progress import ProgressFn
 from deltastore.publish.commit import conditional_writes
 from deltastore.publish.parts import (
@@ -63,6 +57,7 @@ from deltastore.publish.parts import (
 from deltastore.publish.publisher import PublishReport, _ChainWriter, _Pending, table_entry
 from deltastore.publish.snapshot import row_range
 from deltastore.store import Store
+from deltastore.tensors.dtypes import np_words
 
 log = logging.getLogger(__name__)
 

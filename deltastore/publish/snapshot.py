@@ -30,7 +30,8 @@ import numpy as np
 from deltastore.errors import DeltastoreError
 from deltastore.format.checksum import adler32
 from deltastore.format.dtypes import itemsize, word_dtype
-from deltastore.format.manifest import manifest_key, parse_manifest
+from deltastore.format.keys import manifest_key
+from deltastore.format.manifest import parse_manifest
 from deltastore.store import Store
 
 log = logging.getLogger("deltastore.publish.publisher")

@@ -1,53 +1,10 @@
-"""Stores: where bytes live. :func:`open_store` picks the backend from a URL."""
+"""Stores: where bytes live. :func:`open_store` (:mod:`deltastore.store.registry`) picks the
+backend from a URL."""
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
-from deltastore.errors import StoreError
-from deltastore.store.base import OWN_OPTIONS, Store, split_options, validate_key
+from deltastore.store.base import Store, validate_key
 from deltastore.store.local import LocalStore
-
-
-def open_store(
-    url: str | os.PathLike[str] | Store, storage_options: dict[str, Any] | None = None
-) -> Store:
-    """Open the store at ``url``: a plain path or ``file://`` URL (a :class:`Store` passes through).
-
-    ``storage_options`` are for fsspec backends, except deltastore's own (any store takes
-    them): ``timeout`` (seconds: the bound of each store operation, retries included; no-op
-    for a local store) and ``unsafe_commits`` (see :attr:`Store.unsafe_commits`). A local
-    store takes no other option.
-    """
-    if isinstance(url, Store):
-        return url
-    url = os.fspath(url)
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme == "file":
-        options, _, _ = split_options(storage_options)  # checked; no-ops on a local folder
-        if options:
-            raise StoreError(
-                f"a local store takes no storage options (got {sorted(options)}; "
-                f"it takes only {', '.join(OWN_OPTIONS)})"
-            )
-        return LocalStore(rest if sep else url)
-    if scheme in ("s3", "s3a"):
-        from deltastore.store.s3 import S3Store
-
-        return S3Store(url, storage_options)
-    if scheme in ("az", "abfs", "abfss"):
-        from deltastore.store.azure import AzureStore
-
-        return AzureStore(url, storage_options)
-    if scheme in ("gs", "gcs"):
-        from deltastore.store.gcs import GCSStore
-
-        return GCSStore(url, storage_options)
-    raise StoreError(
-        f"store URL scheme {scheme!r} is not supported; use a local folder, file://, s3://, "
-        "gs:// or az://"
-    )
-
+from deltastore.store.registry import open_store
 
 __all__ = ["LocalStore", "Store", "open_store", "validate_key"]

@@ -19,10 +19,10 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from deltastore.errors import InvalidKeyError, StoreError
-from deltastore.format.manifest import KEY_PATTERN
+from deltastore.format.keys import KEY_PATTERN
+from deltastore.format.keys import MAX_KEY_LENGTH as MAX_KEY_LENGTH
 
 _KEY = re.compile(KEY_PATTERN)
-MAX_KEY_LENGTH = 1024
 
 #: Storage options deltastore reads itself; they never reach the filesystem.
 OWN_OPTIONS = ("timeout", "unsafe_commits")

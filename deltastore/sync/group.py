@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from deltastore.tensors.dtypes import dtype_from_name
+
 
 class Group:
     """A process group (or none) with the few collectives a sync uses."""
@@ -114,7 +116,9 @@ class Group:
         if self._ref is None:
             return [sends[0]]
         send = np.concatenate([s.astype(dtype, copy=False) for s in sends])
-        recv = torch.empty(int(counts.sum()), dtype=_torch_dtype(dtype), device=self._device)
+        recv = torch.empty(
+            int(counts.sum()), dtype=dtype_from_name(np.dtype(dtype).name), device=self._device
+        )
         self._collective(
             dist.all_to_all_single,
             recv,
@@ -144,10 +148,6 @@ def _weak(group: Any) -> Callable[[], Any]:
         return weakref.ref(group)
     except TypeError:
         return lambda: group
-
-
-def _torch_dtype(dtype: np.dtype[Any]) -> torch.dtype:
-    return {np.dtype(np.int64): torch.int64, np.dtype(np.uint8): torch.uint8}[np.dtype(dtype)]
 
 
 __all__ = ["Group"]

@@ -53,12 +53,13 @@ from deltastore.format.checksum import (
     shift_to_outer,
 )
 from deltastore.format.codecs import RAW, XOR_SPARSE, FrameDecoder
-from deltastore.format.dtypes import dtype_from_name, flat_words, itemsize, word_dtype
+from deltastore.format.dtypes import itemsize, word_dtype
 from deltastore.format.manifest import Frame, Manifest, TensorEntry
 from deltastore.layout.boxes import BoundLayout, Layout, _contiguous, _span, covered, inside
 from deltastore.sync.fetch import Fetcher, Timer
 from deltastore.sync.group import Group
 from deltastore.sync.routing import Boxes, Segment, exchange, route, route_range
+from deltastore.tensors.dtypes import dtype_from_name, flat_words
 from deltastore.tensors.words import gather, gather_range, restore_all, scatter_range, write_all
 
 #: Dense bytes of anchor frames decoded and exchanged per round (bounds exchange memory).

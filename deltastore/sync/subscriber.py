@@ -38,18 +38,9 @@ from deltastore.errors import (
 )
 from deltastore.format.checksum import adler32, apply_delta, combine
 from deltastore.format.codecs import FrameDecoder
-from deltastore.format.dtypes import dtype_from_name, dtype_name, flat_words, itemsize, word_dtype
-from deltastore.format.manifest import (
-    LATEST_KEY,
-    MANIFEST_PREFIX,
-    Frame,
-    Manifest,
-    TensorEntry,
-    manifest_key,
-    parse_latest,
-    parse_manifest,
-    version_of_key,
-)
+from deltastore.format.dtypes import itemsize, word_dtype
+from deltastore.format.keys import LATEST_KEY, MANIFEST_PREFIX, manifest_key, version_of_key
+from deltastore.format.manifest import Frame, Manifest, TensorEntry, parse_latest, parse_manifest
 from deltastore.format.ratios import SizeRatios
 from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys, verify_manifest
 from deltastore.layout.boxes import Layout
@@ -60,6 +51,7 @@ from deltastore.sync.fetch import Fetcher, Timer
 from deltastore.sync.group import Group
 from deltastore.sync.ranks import LayoutSync
 from deltastore.sync.stage import Staged, check_frames, stage_frame
+from deltastore.tensors.dtypes import dtype_from_name, dtype_name, flat_words
 from deltastore.tensors.tables import (
     Table,
     check_contents,

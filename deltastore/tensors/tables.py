@@ -8,8 +8,8 @@ import torch
 
 from deltastore.errors import TableChangedError, TensorMismatchError
 from deltastore.format.checksum import adler32
-from deltastore.format.dtypes import dtype_name, np_words
 from deltastore.format.manifest import Manifest
+from deltastore.tensors.dtypes import dtype_name, np_words
 
 #: A tensor table: name -> (dtype name, shape).
 Table = dict[str, tuple[str, tuple[int, ...]]]

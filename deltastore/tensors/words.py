@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from deltastore.format.dtypes import signed_word_dtype
+
 #: One write: words of a tensor (1-D), positions in it (int32/int64, or gaps: see
 #: :func:`positions`), old words, new words.
 Write = tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]
@@ -19,7 +21,9 @@ Scatter = Callable[[torch.Tensor, np.ndarray, np.ndarray], None]
 
 
 def signed(size: int) -> np.dtype[Any]:
-    return np.dtype(f"<i{size}") if size > 1 else np.dtype(np.uint8)
+    """numpy dtype of words of ``size`` bytes as torch takes them (``uint8``, ``<i2``, ``<i4``,
+    ``<i8``): :func:`deltastore.format.dtypes.signed_word_dtype`, from the dtype table."""
+    return signed_word_dtype(size)
 
 
 def gather(local: torch.Tensor, positions: np.ndarray, wdt: np.dtype[Any]) -> np.ndarray:
