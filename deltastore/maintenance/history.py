@@ -10,18 +10,19 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deltastore.errors import ManifestError, ManifestNotFoundError, ObjectNotFoundError
-from deltastore.format.keys import MANIFEST_PREFIX, manifest_key, version_of_key
-from deltastore.format.manifest import Manifest, parse_manifest
+from deltastore.format.manifest import Manifest
 from deltastore.format.ratios import SizeRatios
-from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys, verify_manifest
+from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys
 from deltastore.store import Store, open_store
+from deltastore.sync.chain import ChainReader
 
 
-class ManifestReader:
-    """A store's committed versions and their manifests, checked as a
-    :class:`~deltastore.Subscriber` checks them (format v1 validation, the signature when a
-    signing key is given or set in ``DELTASTORE_SIGNING_KEY``, the version the key names)."""
+class ManifestReader(ChainReader):
+    """A :class:`~deltastore.sync.chain.ChainReader` on the store at ``url``, checking
+    manifests as a :class:`~deltastore.Subscriber` does (format v1 validation, the signature
+    when a signing key is given or set in ``DELTASTORE_SIGNING_KEY``, the version the key
+    names). Kept for code that used it; ``ChainReader(open_store(url), keys=...)`` is the
+    same reader."""
 
     def __init__(
         self,
@@ -30,28 +31,7 @@ class ManifestReader:
         storage_options: dict[str, Any] | None = None,
         signing_key: KeyOption = FROM_ENV,
     ) -> None:
-        self.store = open_store(url, storage_options)
-        self._keys = resolve_keys(signing_key)
-
-    def versions(self) -> list[int]:
-        """Every committed version, ascending (a committed version is one whose manifest exists)."""
-        keys = self.store.list(MANIFEST_PREFIX)
-        return sorted(v for k in keys if (v := version_of_key(k)) is not None)
-
-    def manifest(self, version: int) -> Manifest:
-        """The parsed, validated manifest of ``version``."""
-        key = manifest_key(version)
-        try:
-            data = self.store.get(key)
-        except ObjectNotFoundError:
-            raise ManifestNotFoundError(
-                f"version {version} is not committed in store {self.store.url}"
-            ) from None
-        m = parse_manifest(data, key=key)
-        verify_manifest(m, self._keys, version=version, name=key)
-        if m.version != version:
-            raise ManifestError(f"{key} claims version {m.version}; the store is damaged")
-        return m
+        super().__init__(open_store(url, storage_options), keys=resolve_keys(signing_key))
 
 
 @dataclass(frozen=True)
@@ -83,7 +63,7 @@ def version_log(
     limit: int | None = None,
 ) -> list[VersionSummary]:
     """Committed versions, newest first (at most ``limit``), read from their manifests."""
-    reader = ManifestReader(url, storage_options=storage_options)
+    reader = ChainReader(open_store(url, storage_options), keys=resolve_keys(FROM_ENV))
     versions = reader.versions()[::-1]
     out = []
     for v in versions[:limit] if limit is not None else versions:
@@ -111,7 +91,8 @@ def show_manifest(
     storage_options: dict[str, Any] | None = None,
 ) -> Manifest:
     """The checked manifest of ``version`` (``deltastore show``)."""
-    return ManifestReader(url, storage_options=storage_options).manifest(version)
+    reader = ChainReader(open_store(url, storage_options), keys=resolve_keys(FROM_ENV))
+    return reader.manifest(version)
 
 
 __all__ = ["ManifestReader", "VersionSummary", "show_manifest", "version_log"]

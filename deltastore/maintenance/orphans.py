@@ -9,8 +9,9 @@ v1 section 3.2). :func:`find_orphans` lists them and :func:`gc` removes them. An
   ``versions/``), left by a process killed in the middle of a write.
 
 What is never removed: an object a committed manifest references (every manifest is read;
-if one cannot be parsed, nothing is removed and :class:`ManifestError` is raised), manifests,
-``LATEST``, and anything outside ``versions/`` except the local temporary files. What is kept
+if one cannot be parsed or names another version than its key, nothing is removed and
+:class:`ManifestError` is raised), manifests, ``LATEST``, and anything outside ``versions/``
+except the local temporary files. What is kept
 because a publish may still be writing it (``min_age_s``, default one hour; 0 removes these
 too):
 
@@ -38,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from deltastore.errors import ManifestError, ObjectNotFoundError, StoreError
-from deltastore.format.keys import DATA_PREFIX, MANIFEST_PREFIX, version_of_key
-from deltastore.format.manifest import parse_manifest
+from deltastore.format.keys import DATA_PREFIX, MANIFEST_PREFIX
 from deltastore.store import LocalStore, Store, open_store
+from deltastore.sync.chain import ChainReader, Damaged
 
 #: Orphans younger than this many seconds are kept by default: a publish may be writing them.
 DEFAULT_MIN_AGE_S = 3600.0
@@ -159,12 +160,13 @@ def _scan(store: Store, min_age_s: float) -> _Scan:
         raise ValueError(f"min_age_s must be 0 or more, got {min_age_s!r}")
     versions: set[int] = set()
     referenced: set[str] = set()
-    _read_manifests(store, versions, referenced)
+    reader = ChainReader(store)
+    _read_manifests(reader, versions, referenced)
     keys = store.list(DATA_PREFIX)
     root = store.root if isinstance(store, LocalStore) else None
     temps = _temp_files(root) if root is not None else []
     # Versions committed while the objects were listed reference some of them: read again.
-    _read_manifests(store, versions, referenced)
+    _read_manifests(reader, versions, referenced)
     newest = max(versions, default=None)
     now = time.time()
     found: list[Orphan] = []
@@ -184,21 +186,24 @@ def _scan(store: Store, min_age_s: float) -> _Scan:
     return _Scan(newest, len(versions), len(referenced), found)
 
 
-def _read_manifests(store: Store, versions: set[int], referenced: set[str]) -> None:
-    """Add the committed versions not in ``versions`` and the objects they reference."""
-    for key in store.list(MANIFEST_PREFIX):
-        version = version_of_key(key)
-        if version is None or version in versions:
-            continue
-        try:
-            manifest = parse_manifest(store.get(key), key=key)
-        except ManifestError as exc:
-            raise ManifestError(
-                f"{exc}; gc removes nothing while a committed manifest cannot be read (the "
-                "objects it references are unknown): repair or inspect it first"
-            ) from exc
+def _read_manifests(reader: ChainReader, versions: set[int], referenced: set[str]) -> None:
+    """Add the committed versions not in ``versions`` and the objects they reference; raise
+    when one of them cannot be read (its objects are unknown: nothing may be removed)."""
+    chain = reader.read_all(_refuse, skip=versions)
+    for version, manifest in chain.manifests.items():
         versions.add(version)
         referenced.update(f.object for e in manifest.tensors.values() for f in e.frames)
+
+
+def _refuse(damaged: Damaged) -> None:
+    """Stop gc at a manifest that cannot be read: a missing one raises the store's error
+    (:class:`ObjectNotFoundError`), any other a :class:`ManifestError` that says so."""
+    if isinstance(damaged.error, ObjectNotFoundError):
+        raise damaged.error
+    raise ManifestError(
+        f"{damaged.error}; gc removes nothing while a committed manifest cannot be read (the "
+        "objects it references are unknown): repair or inspect it first"
+    ) from damaged.error
 
 
 def _kept(version: int | None, age: float | None, newest: int | None, min_age: float) -> str | None:

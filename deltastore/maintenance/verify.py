@@ -24,7 +24,6 @@ checked here.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import time
@@ -38,18 +37,14 @@ from typing import Any, Final, Literal
 import xxhash
 
 from deltastore.checkpoint.safetensors import CheckpointError, MappedCheckpoint, locate, table_of
-from deltastore.errors import ManifestError, ObjectNotFoundError
-from deltastore.format.keys import (
-    DATA_PREFIX,
-    LATEST_KEY,
-    MANIFEST_PREFIX,
-    manifest_key,
-    version_of_key,
-)
-from deltastore.format.manifest import Frame, Manifest, parse_latest, parse_manifest
+from deltastore.errors import ObjectNotFoundError
+from deltastore.format import chain as link
+from deltastore.format.keys import DATA_PREFIX, manifest_key
+from deltastore.format.manifest import Frame, Manifest
 from deltastore.maintenance.replay import ADLER32, FRAME, Replay
 from deltastore.progress import ProgressFn, Ticker
 from deltastore.store import Store, open_store
+from deltastore.sync.chain import ChainReader
 
 # --- problem kinds -------------------------------------------------------------------------
 #: A manifest that does not parse or validate, or claims another version than its key.
@@ -63,11 +58,11 @@ XXH3: Final = "xxh3"
 #: A delta's parent manifest is not in the store.
 MISSING_PARENT: Final = "missing-parent"
 #: A version's ``parent.state_digest`` is not its parent's ``state_digest``.
-PARENT_DIGEST: Final = "parent-digest"
+PARENT_DIGEST: Final = link.PARENT_DIGEST
 #: A delta names other tensors (names, dtypes, shapes) than its parent.
-PARENT_TABLE: Final = "parent-table"
+PARENT_TABLE: Final = link.PARENT_TABLE
 #: A tensor's ``parent_adler32`` is not the parent's ``adler32`` of that tensor.
-PARENT_ADLER32: Final = "parent-adler32"
+PARENT_ADLER32: Final = link.PARENT_ADLER32
 #: A version cannot be reached from an anchor: its chain breaks further up.
 CHAIN: Final = "chain"
 #: ``LATEST`` is damaged, or names a version that is missing or has other bytes.
@@ -226,9 +221,13 @@ def verify_store(
     t0 = time.perf_counter()
     store = open_store(url, storage_options)
     problems = _Found()
-    listed, manifests, shas = _read_manifests(store, problems)
-    _check_latest(store, manifests, shas, problems)
-    _check_chains(listed, manifests, problems)
+    reader = ChainReader(store)  # no keys: signatures are not checked here
+    chain = reader.read_all(lambda d: problems.add(MANIFEST, d.version, d.key, d.message))
+    latest = reader.check_latest(chain)
+    if latest is not None:
+        problems.add(LATEST, latest.version, latest.key, latest.message)
+    manifests = chain.manifests
+    _check_chains(chain.listed, manifests, problems)
     refs = [
         _Ref(v, name, f)
         for v, m in sorted(manifests.items())
@@ -259,103 +258,16 @@ def verify_store(
     )
 
 
-def _read_manifests(
-    store: Store, problems: _Found
-) -> tuple[set[int], dict[int, Manifest], dict[int, str]]:
-    """Listed versions, the manifests that parse, and the SHA-256 of their bytes."""
-    listed: set[int] = set()
-    manifests: dict[int, Manifest] = {}
-    shas: dict[int, str] = {}
-    for key in store.list(MANIFEST_PREFIX):
-        v = version_of_key(key)
-        if v is None:
-            continue  # not a version (format v1, section 3.2)
-        listed.add(v)
-        try:
-            data = store.get(key)
-            m = parse_manifest(data, key=key)
-        except ObjectNotFoundError:
-            problems.add(MANIFEST, v, key, "listed, but gone when read")
-            continue
-        except ManifestError as exc:
-            problems.add(MANIFEST, v, key, str(exc))
-            continue
-        if m.version != v:
-            problems.add(MANIFEST, v, key, f"claims version {m.version}")
-            continue
-        manifests[v], shas[v] = m, hashlib.sha256(data).hexdigest()
-    return listed, manifests, shas
-
-
-def _check_latest(
-    store: Store, manifests: dict[int, Manifest], shas: dict[int, str], problems: _Found
-) -> None:
-    try:
-        data = store.get(LATEST_KEY)
-    except ObjectNotFoundError:
-        return  # only a hint: a store may have none
-    try:
-        hint = parse_latest(data)
-    except ManifestError as exc:
-        problems.add(LATEST, None, LATEST_KEY, str(exc))
-        return
-    if hint.version not in manifests or hint.manifest != manifest_key(hint.version):
-        problems.add(
-            LATEST, hint.version, LATEST_KEY, f"names {hint.manifest}, not a good manifest"
-        )
-    elif shas[hint.version] != hint.sha256:
-        problems.add(
-            LATEST,
-            hint.version,
-            LATEST_KEY,
-            f"names version {hint.version} with another SHA-256 than its manifest's "
-            "(possible fork: two publishers may have committed this version)",
-        )
-
-
-def _same_table(a: Manifest, b: Manifest) -> bool:
-    return {n: (e.dtype, e.shape) for n, e in a.tensors.items()} == {
-        n: (e.dtype, e.shape) for n, e in b.tensors.items()
-    }
-
-
 def _check_link(m: Manifest, parent: Manifest, problems: _Found) -> bool:
-    """Check ``m`` against its parent's manifest; False when a delta cannot apply to it."""
-    key = manifest_key(m.version)
+    """Check ``m`` against its parent's manifest (the rule of :mod:`deltastore.format.chain`:
+    every misfit is a problem of the same kind); False when a delta cannot apply to it."""
     if m.parent is None:  # pragma: no cover - callers pass versions with a parent
         return True
-    ok = True
-    if m.parent.state_digest != parent.state_digest:
-        problems.add(
-            PARENT_DIGEST,
-            m.version,
-            key,
-            f"names parent {parent.version} with state digest {m.parent.state_digest[:16]}…, "
-            f"the parent's is {parent.state_digest[:16]}…",
-        )
-        ok = False
-    if not _same_table(m, parent):
-        if m.kind == "delta":
-            problems.add(
-                PARENT_TABLE,
-                m.version,
-                key,
-                f"names other tensors, dtypes or shapes than its parent {parent.version}",
-            )
-            ok = False
-        return ok or m.kind == "anchor"
-    for name, e in m.tensors.items():
-        if e.parent_adler32 is not None and e.parent_adler32 != parent.tensors[name].adler32:
-            problems.add(
-                PARENT_ADLER32,
-                m.version,
-                key,
-                f"parent_adler32 {e.parent_adler32:08x}, the parent {parent.version} says "
-                f"{parent.tensors[name].adler32:08x}",
-                name,
-            )
-            ok = False
-    return ok or m.kind == "anchor"
+    misfits = link.State.of(parent).misfits(m)
+    for x in misfits:
+        tensor = x.tensors[0] if x.kind == PARENT_ADLER32 else None
+        problems.add(x.kind, m.version, manifest_key(m.version), x.message, tensor)
+    return not misfits or m.kind == "anchor"
 
 
 def _check_chains(listed: set[int], manifests: dict[int, Manifest], problems: _Found) -> None:
@@ -496,9 +408,8 @@ def verify_checkout(
     problems = _Found()
     expected = dict(state.adler32)
     if url is not None:
-        store = open_store(url, storage_options)
         key = manifest_key(state.version)
-        m = parse_manifest(store.get(key), key=key)
+        m = ChainReader(open_store(url, storage_options)).manifest(state.version)
         expected = {n: e.adler32 for n, e in m.tensors.items()}
         if state.state_digest != m.state_digest or state.adler32 != expected:
             problems.add(

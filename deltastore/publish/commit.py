@@ -23,10 +23,8 @@ from deltastore.errors import (
 )
 from deltastore.format.keys import (
     LATEST_KEY,
-    MANIFEST_PREFIX,
     MAX_VERSION,
     manifest_key,
-    version_of_key,
 )
 from deltastore.format.manifest import (
     MAX_MANIFEST_BYTES,
@@ -40,14 +38,14 @@ from deltastore.format.manifest import (
 )
 from deltastore.format.signing import SigningKey, sign_manifest
 from deltastore.store import Store
+from deltastore.sync.chain import ChainReader
 
 log = logging.getLogger("deltastore.publish.publisher")
 
 
 def head_version(store: Store) -> int | None:
     """The store's newest committed version (by listing ``manifests/``), or None."""
-    versions = [v for k in store.list(MANIFEST_PREFIX) if (v := version_of_key(k)) is not None]
-    return max(versions, default=None)
+    return ChainReader(store).newest()
 
 
 def check_version_number(version: object) -> None:
@@ -161,12 +159,7 @@ def check_head(store: Store, version: int, parent: Parent | None) -> None:
     version was committed on ``parent`` (it is no longer the head). A version committed
     between this listing and the manifest create is not seen (docs/guide.md, Several
     publishers)."""
-    keys = (
-        store.list_after(MANIFEST_PREFIX, manifest_key(parent.version))
-        if parent is not None
-        else store.list(MANIFEST_PREFIX)
-    )
-    newer = {v for k in keys if (v := version_of_key(k)) is not None}
+    newer = set(ChainReader(store).versions_after(parent.version if parent else None))
     if version in newer:
         raise VersionExistsError(
             f"version {version} was committed by another writer in store {store.url}"

@@ -20,12 +20,14 @@ from deltastore.errors import (
     ChainError,
     DeltastoreError,
     ManifestError,
+    ManifestNotFoundError,
     ObjectNotFoundError,
     VersionExistsError,
     VersionNotCommittedError,
     VersionOrderError,
     WrongParentError,
 )
+from deltastore.format.chain import PARENT_ADLER32, PARENT_DIGEST, PARENT_TABLE, State, link_misfits
 from deltastore.format.checksum import combine
 from deltastore.format.dtypes import itemsize
 from deltastore.format.keys import data_prefix, manifest_key
@@ -42,7 +44,6 @@ from deltastore.format.manifest import (
     TensorEntry,
     Version,
     load_json,
-    parse_manifest,
     validation_summary,
 )
 from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys
@@ -56,6 +57,7 @@ from deltastore.publish.commit import (
 )
 from deltastore.publish.snapshot import row_range
 from deltastore.store import Store, open_store
+from deltastore.sync.chain import ChainReader
 
 log = logging.getLogger("deltastore.publish.sharded")
 
@@ -185,11 +187,11 @@ def _abort_reason(store: Store, version: int) -> str | None:
 def _wait_committed(store: Store, version: int, timeout_s: float, poll_s: float) -> Manifest:
     """The manifest of ``version`` once it exists; :class:`VersionNotCommittedError` when the
     version is aborted or ``timeout_s`` passes first."""
-    key, deadline = manifest_key(version), time.monotonic() + timeout_s
+    reader, deadline = ChainReader(store), time.monotonic() + timeout_s
     while True:
         try:
-            return parse_manifest(store.get(key), key=key)
-        except ObjectNotFoundError:
+            return reader.manifest(version)
+        except ManifestNotFoundError:
             pass
         reason = _abort_reason(store, version)
         if reason is not None:
@@ -401,29 +403,29 @@ def _check_parent(
     store: Store, version: int, parent: Parent, entries: Mapping[str, TensorEntry]
 ) -> None:
     """A delta: its parent must be the store's newest version, with the digest and the
-    tensors (and their Adler-32) the writers' slices started from."""
-    head = head_version(store)
-    if head != parent.version:
+    tensors (and their Adler-32) the writers' slices started from (the chain-link rule of
+    :mod:`deltastore.format.chain`)."""
+    reader = ChainReader(store)
+    head = reader.newest()
+    if head is None or head != parent.version:
         raise ChainError(
             f"version {version} is a delta on version {parent.version}, but the store's newest "
             f"version is {head}; attach() the writers to it, or publish an anchor"
         )
-    pm = parse_manifest(store.get(manifest_key(head)), key=manifest_key(head))
-    if pm.state_digest != parent.state_digest:
+    pm = reader.manifest(head)
+    misfits = link_misfits(State.of(pm), kind="delta", parent=parent, tensors=entries)
+    if any(x.kind == PARENT_DIGEST for x in misfits):
         raise WrongParentError(
             f"version {version}: the writers hold another version {head} than the store's "
             f"(state digest {parent.state_digest[:12]}, store {pm.state_digest[:12]})"
         )
-    table = {n: (e.dtype, e.shape) for n, e in entries.items()}
-    if table != {n: (e.dtype, e.shape) for n, e in pm.tensors.items()}:
-        odd = sorted(set(table).symmetric_difference(pm.tensors)) or sorted(
-            n for n in table if table[n] != (pm.tensors[n].dtype, pm.tensors[n].shape)
-        )
+    odd = [n for x in misfits if x.kind == PARENT_TABLE for n in x.tensors]
+    if odd:
         raise ManifestError(
             f"version {version}: a delta must have the tensors of its parent {head} (names, "
             f"dtypes, shapes); {len(odd)} differ ({', '.join(odd[:5])})"
         )
-    bad = [n for n, e in entries.items() if e.parent_adler32 != pm.tensors[n].adler32]
+    bad = [n for x in misfits if x.kind == PARENT_ADLER32 for n in x.tensors]
     if bad:
         raise WrongParentError(
             f"version {version}: the writers' slices of {len(bad)} tensors ({', '.join(bad[:5])})"

@@ -1,117 +1,340 @@
-"""Planning a sync: the versions to apply, from the state a receiver holds to a target.
+"""The chain reader: the one place that lists ``manifests/`` and reads manifests and ``LATEST``.
 
-The plan goes back along parent links from the target to the version the receiver holds, or
-to the first anchor met. When the held state does not fit that chain (the delta after it
-applies to another state of that version, the chain skips it, or the store's manifest of the
-held version has another state: e.g. after two publishers raced on a store without enforced
-preconditions), the plan goes on back to the newest anchor at or below the target instead,
-and says why. It fails only when no such anchor can be reached (:class:`ChainError`, or
-:class:`WrongParentError` when a delta's parent is not the state the store holds for that
-version); the error then describes the store's chain.
+:class:`ChainReader` serves every reader of a store's chain: the :class:`~deltastore.Subscriber`
+(``latest``, ``manifest``, planning a sync), ``deltastore verify`` and ``gc`` (:meth:`read_all`),
+``log`` and ``show`` (:meth:`versions`, :meth:`manifest`) and the publishers' head checks
+(:meth:`newest`, :meth:`versions_after`). Only manifests are read, never tensor data: this
+module imports no torch.
+
+A committed version is one whose manifest ``manifests/<version:020d>.json`` exists; other keys
+under ``manifests/`` are not versions (format v1, section 3.2). ``LATEST`` is only a hint: a
+committed manifest may be newer than it, and one that names another SHA-256 than its
+manifest's is ignored (with a possible-fork warning).
+
+Planning (:meth:`ChainReader.plan`) goes back along parent links from the target to the
+version the receiver holds, or to the first anchor met. When the held state does not fit that
+chain (the delta after it applies to another state of that version, the chain skips it, or the
+store's manifest of the held version has another state: e.g. after two publishers raced on a
+store without enforced preconditions), the plan goes on back to the newest anchor at or below
+the target instead, and says why. It fails only when no such anchor can be reached
+(:class:`ChainError`, or :class:`WrongParentError` when a delta's parent is not the state the
+store holds for that version); the error then describes the store's chain. Whether a delta
+fits a state is :mod:`deltastore.format.chain`'s rule.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from deltastore.errors import ChainError, ManifestError, ManifestNotFoundError, WrongParentError
-from deltastore.format.manifest import Manifest
+from deltastore.errors import (
+    ChainError,
+    DeltastoreError,
+    ManifestError,
+    ManifestNotFoundError,
+    ObjectNotFoundError,
+    WrongParentError,
+)
+from deltastore.format.chain import State
+from deltastore.format.keys import LATEST_KEY, MANIFEST_PREFIX, manifest_key, version_of_key
+from deltastore.format.manifest import Manifest, parse_latest, parse_manifest
+from deltastore.format.signing import SignatureError, SigningKey, verify_manifest
+from deltastore.store import Store
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Held:
-    """The state a receiver's tensors are at: version, state digest, per-tensor Adler-32."""
+class Damaged:
+    """A listed manifest (or ``LATEST``) that cannot be used. ``version``: the version its key
+    names (None for a damaged ``LATEST``); ``message``: what is wrong, without the key;
+    ``error``: the error a strict reader raises for it."""
 
-    version: int
-    digest: str
-    adler: Mapping[str, int]
+    version: int | None
+    key: str
+    message: str
+    error: DeltastoreError
 
-    def fits(self, m: Manifest) -> bool:
-        """Whether the delta ``m`` applies to this state (its parent is this very state)."""
-        return (
-            m.parent is not None
-            and m.parent.version == self.version
-            and m.parent.state_digest == self.digest
-            and all(
-                e.parent_adler32 == self.adler[n] for n, e in m.tensors.items() if n in self.adler
-            )
+
+@dataclass(frozen=True)
+class Chain:
+    """What :meth:`ChainReader.read_all` read: every ``listed`` version, the ``manifests``
+    that parse, validate, pass the signature check and name their own version, and the
+    SHA-256 (hex) of each one's bytes. The containers belong to the caller."""
+
+    listed: set[int]
+    manifests: dict[int, Manifest]
+    sha256: dict[int, str]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The versions to apply to reach a target, oldest first (``steps``; empty: the held
+    state is the target's), and why the held state did not fit the chain (``why``; None: it
+    did, or there is none)."""
+
+    steps: tuple[Manifest, ...]
+    why: str | None
+
+
+class ChainReader:
+    """Reads the chain of the store ``store``: versions, ``LATEST``, manifests, plans.
+
+    Every manifest read is parsed and validated (format v1), checked against ``keys`` (when
+    any: it must be signed with one of them for its own version, :class:`SignatureError`)
+    and checked to name the version of its key (:class:`ManifestError`). :meth:`manifest`
+    keeps the ``cache`` most recently read manifests (manifests are immutable; a stale one,
+    after a publisher race, is dropped by :meth:`forget`). :meth:`latest` remembers the
+    newest version seen and the last ``LATEST`` read (by its change token).
+
+    Not thread-safe: one thread uses a reader at a time (each call is a few store requests,
+    in order; nothing runs in the background). Constructing one costs no store request.
+    """
+
+    def __init__(self, store: Store, *, keys: Sequence[SigningKey] = (), cache: int = 32) -> None:
+        if cache < 0:
+            raise ValueError(f"cache must be 0 or more, got {cache!r}")
+        self.store = store
+        self._keys = tuple(keys)
+        self._size = cache
+        self._cache: OrderedDict[int, Manifest] = OrderedDict()
+        self._seen: int | None = None  # newest committed version seen by latest()
+        self._hint: tuple[str | None, int | None] = (None, None)  # LATEST (token, version)
+
+    # --- listing ------------------------------------------------------------------------
+
+    def versions(self) -> list[int]:
+        """Every committed version, ascending (one listing of ``manifests/``)."""
+        return self.versions_after(None)
+
+    def versions_after(self, version: int | None) -> list[int]:
+        """The committed versions above ``version`` (None: all), ascending (one listing of
+        the manifest keys after ``version``'s)."""
+        keys = (
+            self.store.list(MANIFEST_PREFIX)
+            if version is None
+            else self.store.list_after(MANIFEST_PREFIX, manifest_key(version))
         )
+        return sorted(v for k in keys if (v := version_of_key(k)) is not None)
 
+    def newest(self) -> int | None:
+        """The store's newest committed version by listing every manifest (``LATEST`` is not
+        read), or None when it has none: what a publisher's head check needs."""
+        return max(self.versions(), default=None)
 
-def plan(
-    url: str,
-    target: int,
-    held: Held | None,
-    manifest: Callable[[int], Manifest],
-    forget: Callable[[int | None], None],
-) -> tuple[list[Manifest], str | None]:
-    """Versions to apply to reach ``target``, oldest first, and why the held state did not
-    fit the chain (None: it did, or there is none). ``manifest`` reads a version's manifest
-    (maybe cached); ``forget(version)`` drops a cached one that turned out stale,
-    ``forget(None)`` every cached one (the store changed under the receiver)."""
-    m = manifest(target)
-    why: str | None = None
-    if held is not None and target == held.version:
-        if m.state_digest == held.digest:
-            return [], None
-        why = f"version {target} in the store is another state than the held version {target}"
-        held = None
-        forget(None)
-    steps: list[Manifest] = []
-    while True:
-        steps.append(m)
-        if m.kind == "anchor":
-            break
-        if m.parent is None:  # pragma: no cover - a delta always has a parent (validated)
-            raise ManifestError(f"delta {m.version} has no parent")
-        if held is not None and m.parent.version <= held.version:
-            if held.fits(m):
-                break
-            why = (
-                f"version {m.version} is a delta on another state of version {held.version} "
-                f"than the held version {held.version}"
-                if m.parent.version == held.version
-                else f"version {m.version} descends from {m.parent.version}, not from the held "
-                f"version {held.version}"
+    def latest(self) -> int | None:
+        """Newest committed version, or None when the store has none.
+
+        A poll is cheap: a HEAD of ``LATEST`` (re-read only when its token changed; its
+        manifest must exist with the SHA-256 it names, else the hint is ignored), then a
+        listing of ``manifests/`` after the newest version known, since ``LATEST`` is only a
+        hint and a committed manifest may be newer than it.
+        """
+        floor = max((v for v in (self._latest_hint(), self._seen) if v is not None), default=None)
+        self._seen = max(self.versions_after(floor), default=floor)
+        return self._seen
+
+    def _latest_hint(self) -> int | None:
+        """The version ``LATEST`` names, when it is usable; warns once per ``LATEST`` that
+        names another SHA-256 than its manifest's (a possible fork)."""
+        try:
+            token = self.store.head_token(LATEST_KEY)
+            if token is None:
+                return None
+            if token == self._hint[0]:
+                return self._hint[1]
+            hint = parse_latest(self.store.get(LATEST_KEY))
+            body = self.store.get(manifest_key(hint.version))
+        except DeltastoreError as exc:
+            log.info("LATEST hint unusable (%s); listing manifests", exc)
+            return None
+        if hashlib.sha256(body).hexdigest() != hint.sha256:
+            log.warning(
+                "possible fork: two publishers may have committed version %d of store %s "
+                "(LATEST names another SHA-256 than its manifest's); LATEST ignored: stop all "
+                "publishers but one and run `deltastore verify`",
+                hint.version,
+                self.store.url,
             )
+            self._hint = (token, None)  # warned once for this LATEST
+            return None
+        if hint.version not in self._cache:  # read anyway: spare sync() a second GET
+            try:
+                self._remember(hint.version, body)
+            except DeltastoreError as exc:
+                log.warning("LATEST names a damaged manifest (%s); ignored", exc)
+                return None
+        self._hint = (token, hint.version)
+        return hint.version
+
+    # --- manifests ----------------------------------------------------------------------
+
+    def manifest(self, version: int) -> Manifest:
+        """The checked manifest of ``version`` (cached). :class:`ManifestNotFoundError` when
+        it is not committed; :class:`ManifestError` / :class:`SignatureError` when it is
+        damaged, not signed as required, or names another version."""
+        cached = self._cache.get(version)
+        if cached is not None:
+            return cached
+        key = manifest_key(version)
+        try:
+            data = self.store.get(key)
+        except ObjectNotFoundError:
+            raise ManifestNotFoundError(
+                f"version {version} is not committed in store {self.store.url}"
+            ) from None
+        return self._remember(version, data)
+
+    def forget(self, version: int | None) -> None:
+        """Drop the cached manifest of ``version`` (it is not the store's any more: a
+        publisher race), or every cached one (None: the store changed under the reader)."""
+        if version is None:
+            self._cache.clear()
+        else:
+            self._cache.pop(version, None)
+
+    def _remember(self, version: int, data: bytes) -> Manifest:
+        """Check the manifest bytes of ``version`` and keep the result in the cache."""
+        m = self._parse(version, data)
+        if m.version != version:
+            raise _claims(version, m)
+        self._cache[version] = m
+        while len(self._cache) > self._size:
+            self._cache.popitem(last=False)
+        return m
+
+    def _parse(self, version: int, data: bytes) -> Manifest:
+        """Parse, validate and check the signature (before any frame is fetched)."""
+        key = manifest_key(version)
+        m = parse_manifest(data, key=key)
+        verify_manifest(m, self._keys, version=version, name=key)
+        return m
+
+    def read_all(
+        self, on_damaged: Callable[[Damaged], object], *, skip: Collection[int] = ()
+    ) -> Chain:
+        """Read every listed manifest (not cached), in version order, except those of the
+        versions in ``skip`` (listed, not read). Each one that is gone when read, does not
+        parse or validate, fails the signature check or names another version is reported
+        to ``on_damaged`` (which may raise to stop the reading) and left out. Store errors
+        other than a missing object are raised."""
+        listed = set(self.versions())
+        manifests: dict[int, Manifest] = {}
+        sha256: dict[int, str] = {}
+        for v in sorted(listed.difference(skip)):
+            key = manifest_key(v)
+            try:
+                data = self.store.get(key)
+            except ObjectNotFoundError as exc:
+                on_damaged(Damaged(v, key, "listed, but gone when read", exc))
+                continue
+            try:
+                m = self._parse(v, data)
+            except (ManifestError, SignatureError) as exc:
+                on_damaged(Damaged(v, key, str(exc), exc))
+                continue
+            if m.version != v:
+                on_damaged(Damaged(v, key, f"claims version {m.version}", _claims(v, m)))
+                continue
+            manifests[v], sha256[v] = m, hashlib.sha256(data).hexdigest()
+        return Chain(listed, manifests, sha256)
+
+    def check_latest(self, chain: Chain) -> Damaged | None:
+        """What is wrong with ``LATEST`` given the manifests ``chain`` read (None: nothing,
+        or there is no ``LATEST``, which is only a hint): it does not parse, names a version
+        that is missing or damaged, or names another SHA-256 than its manifest's (a possible
+        fork: two publishers may have committed that version)."""
+        try:
+            data = self.store.get(LATEST_KEY)
+        except ObjectNotFoundError:
+            return None
+        try:
+            hint = parse_latest(data)
+        except ManifestError as exc:
+            return Damaged(None, LATEST_KEY, str(exc), exc)
+        if hint.version not in chain.manifests or hint.manifest != manifest_key(hint.version):
+            message = f"names {hint.manifest}, not a good manifest"
+        elif chain.sha256[hint.version] != hint.sha256:
+            message = (
+                f"names version {hint.version} with another SHA-256 than its manifest's "
+                "(possible fork: two publishers may have committed this version)"
+            )
+        else:
+            return None
+        return Damaged(hint.version, LATEST_KEY, message, ManifestError(f"LATEST {message}"))
+
+    # --- planning -----------------------------------------------------------------------
+
+    def plan(self, target: int, held: State | None) -> Plan:
+        """The versions to apply to go from the ``held`` state (None: none, start from an
+        anchor) to ``target`` (see the module docstring). Reads manifests through the cache;
+        when the held state turns out not to fit the chain, the cache is dropped (the store
+        changed under the reader) and the plan goes back to the newest anchor at or below
+        ``target``. :class:`ManifestNotFoundError` when ``target`` is not committed."""
+        m = self.manifest(target)
+        why: str | None = None
+        if held is not None and target == held.version:
+            if m.state_digest == held.digest:
+                return Plan((), None)
+            why = f"version {target} in the store is another state than the held version {target}"
             held = None
-            forget(None)
-        m = _parent(url, target, m, why, manifest, forget)
-    steps.reverse()
-    return steps, why
+            self.forget(None)
+        steps: list[Manifest] = []
+        while True:
+            steps.append(m)
+            if m.kind == "anchor":
+                break
+            if m.parent is None:  # pragma: no cover - a delta always has a parent (validated)
+                raise ManifestError(f"delta {m.version} has no parent")
+            if held is not None and m.parent.version <= held.version:
+                if held.fits(m):
+                    break
+                why = (
+                    f"version {m.version} is a delta on another state of version {held.version} "
+                    f"than the held version {held.version}"
+                    if m.parent.version == held.version
+                    else f"version {m.version} descends from {m.parent.version}, not from the "
+                    f"held version {held.version}"
+                )
+                held = None
+                self.forget(None)
+            m = self._parent(target, m, why)
+        steps.reverse()
+        return Plan(tuple(steps), why)
+
+    def _parent(self, target: int, child: Manifest, why: str | None) -> Manifest:
+        """The manifest ``child`` is a delta on, checked to be the state ``child`` names."""
+        if child.parent is None:  # pragma: no cover - checked by the caller
+            raise ManifestError(f"delta {child.version} has no parent")
+        version, digest = child.parent.version, child.parent.state_digest
+        url = self.store.url
+        because = f"store {url}: {why}, and" if why else f"store {url}:"
+        try:
+            parent = self.manifest(version)
+            if parent.state_digest != digest:  # a cached manifest may be stale: read it again
+                self.forget(version)
+                parent = self.manifest(version)
+        except ManifestNotFoundError:
+            raise ChainError(
+                f"{because} no anchor at or below {target} can be reached (version {version}, "
+                f"parent of {child.version}, is missing): publish an anchor"
+            ) from None
+        if parent.state_digest != digest:
+            raise WrongParentError(
+                f"{because} no anchor at or below {target} can be reached (version "
+                f"{child.version} is a delta on a state of version {version} that the store "
+                "does not hold: two publishers raced?): publish an anchor"
+            )
+        return parent
 
 
-def _parent(
-    url: str,
-    target: int,
-    child: Manifest,
-    why: str | None,
-    manifest: Callable[[int], Manifest],
-    forget: Callable[[int | None], None],
-) -> Manifest:
-    """The manifest ``child`` is a delta on, checked to be the state ``child`` names."""
-    if child.parent is None:  # pragma: no cover - checked by the caller
-        raise ManifestError(f"delta {child.version} has no parent")
-    version, digest = child.parent.version, child.parent.state_digest
-    because = f"store {url}: {why}, and" if why else f"store {url}:"
-    try:
-        parent = manifest(version)
-        if parent.state_digest != digest:  # a cached manifest may be stale: read it again
-            forget(version)
-            parent = manifest(version)
-    except ManifestNotFoundError:
-        raise ChainError(
-            f"{because} no anchor at or below {target} can be reached (version {version}, "
-            f"parent of {child.version}, is missing): publish an anchor"
-        ) from None
-    if parent.state_digest != digest:
-        raise WrongParentError(
-            f"{because} no anchor at or below {target} can be reached (version {child.version} "
-            f"is a delta on a state of version {version} that the store does not hold: two "
-            "publishers raced?): publish an anchor"
-        )
-    return parent
+def _claims(version: int, m: Manifest) -> ManifestError:
+    return ManifestError(
+        f"{manifest_key(version)} claims version {m.version}; the store is damaged"
+    )
 
 
-__all__ = ["Held", "plan"]
+__all__ = ["Chain", "ChainReader", "Damaged", "Plan"]

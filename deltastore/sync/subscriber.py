@@ -14,11 +14,9 @@ never in between.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -28,25 +26,23 @@ import torch
 
 from deltastore.errors import (
     ChainError,
-    DeltastoreError,
     IntegrityError,
     ManifestError,
     ManifestNotFoundError,
-    ObjectNotFoundError,
     TensorMismatchError,
     WrongParentError,
 )
+from deltastore.format.chain import State
 from deltastore.format.checksum import adler32, apply_delta, combine
 from deltastore.format.codecs import FrameDecoder
 from deltastore.format.dtypes import itemsize, word_dtype
-from deltastore.format.keys import LATEST_KEY, MANIFEST_PREFIX, manifest_key, version_of_key
-from deltastore.format.manifest import Frame, Manifest, TensorEntry, parse_latest, parse_manifest
+from deltastore.format.manifest import Frame, Manifest, TensorEntry
 from deltastore.format.ratios import SizeRatios
-from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys, verify_manifest
+from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys
 from deltastore.layout.boxes import Layout
 from deltastore.progress import ProgressFn
 from deltastore.store import Store, open_store
-from deltastore.sync.chain import Held, plan
+from deltastore.sync.chain import ChainReader
 from deltastore.sync.fetch import Fetcher, Timer
 from deltastore.sync.group import Group
 from deltastore.sync.ranks import LayoutSync
@@ -162,10 +158,7 @@ class Subscriber:
         self._layout = (
             None if layout is None and group is None else LayoutSync(layout, self._group, _scatter)
         )
-        self._manifests: OrderedDict[int, Manifest] = OrderedDict()
-        self._seen: int | None = None  # newest committed version seen by latest()
-        self._hint: tuple[str | None, int | None] = (None, None)  # LATEST (token, version)
-        self._keys = resolve_keys(signing_key)
+        self._chain = ChainReader(self.store, keys=resolve_keys(signing_key))
 
     @property
     def tensors(self) -> MutableMapping[str, torch.Tensor] | None:
@@ -181,8 +174,7 @@ class Subscriber:
 
     def versions(self) -> list[int]:
         """Every committed version, ascending (a committed version is one whose manifest exists)."""
-        keys = self.store.list(MANIFEST_PREFIX)
-        return sorted(v for k in keys if (v := version_of_key(k)) is not None)
+        return self._chain.versions()
 
     def latest(self) -> int | None:
         """Newest committed version, or None when the store has none.
@@ -190,74 +182,15 @@ class Subscriber:
         A poll is cheap: a HEAD of ``LATEST`` (re-read only when its token changed; its
         manifest must exist with the SHA-256 it names, else the hint is ignored), then a
         listing of ``manifests/`` after the newest version known, since ``LATEST`` is only a
-        hint and a committed manifest may be newer than it.
+        hint and a committed manifest may be newer than it
+        (:meth:`deltastore.sync.chain.ChainReader.latest`).
         """
-        floor = max((v for v in (self._latest_hint(), self._seen) if v is not None), default=None)
-        keys = (
-            self.store.list(MANIFEST_PREFIX)
-            if floor is None
-            else self.store.list_after(MANIFEST_PREFIX, manifest_key(floor))
-        )
-        newer = [v for k in keys if (v := version_of_key(k)) is not None]
-        self._seen = max(newer, default=floor)
-        return self._seen
-
-    def _latest_hint(self) -> int | None:
-        try:
-            token = self.store.head_token(LATEST_KEY)
-            if token is None:
-                return None
-            if token == self._hint[0]:
-                return self._hint[1]
-            hint = parse_latest(self.store.get(LATEST_KEY))
-            body = self.store.get(manifest_key(hint.version))
-        except DeltastoreError as exc:
-            log.info("LATEST hint unusable (%s); listing manifests", exc)
-            return None
-        if hashlib.sha256(body).hexdigest() != hint.sha256:
-            log.warning(
-                "possible fork: two publishers may have committed version %d of store %s "
-                "(LATEST names another SHA-256 than its manifest's); LATEST ignored: stop all "
-                "publishers but one and run `deltastore verify`",
-                hint.version,
-                self.store.url,
-            )
-            self._hint = (token, None)  # warned once for this LATEST
-            return None
-        if hint.version not in self._manifests:  # read anyway: spare sync() a second GET
-            try:
-                self._remember(hint.version, body)
-            except DeltastoreError as exc:
-                log.warning("LATEST names a damaged manifest (%s); ignored", exc)
-                return None
-        self._hint = (token, hint.version)
-        return hint.version
+        return self._chain.latest()
 
     def manifest(self, version: int) -> Manifest:
-        """The parsed, validated manifest of ``version`` (cached; manifests are immutable)."""
-        cached = self._manifests.get(version)
-        if cached is not None:
-            return cached
-        key = manifest_key(version)
-        try:
-            data = self.store.get(key)
-        except ObjectNotFoundError:
-            raise ManifestNotFoundError(
-                f"version {version} is not committed in store {self.store.url}"
-            ) from None
-        return self._remember(version, data)
-
-    def _remember(self, version: int, data: bytes) -> Manifest:
-        """Parse the manifest bytes of ``version`` and keep the result in the cache."""
-        key = manifest_key(version)
-        m = parse_manifest(data, key=key)
-        verify_manifest(m, self._keys, version=version, name=key)  # before any frame is fetched
-        if m.version != version:
-            raise ManifestError(f"{key} claims version {m.version}; the store is damaged")
-        self._manifests[version] = m
-        while len(self._manifests) > 32:
-            self._manifests.popitem(last=False)
-        return m
+        """The parsed, validated manifest of ``version`` (cached; manifests are immutable),
+        signed as the subscriber's keys require (checked before any frame is fetched)."""
+        return self._chain.manifest(version)
 
     # --- sync ---------------------------------------------------------------------------
 
@@ -346,30 +279,22 @@ class Subscriber:
         )
 
     def _plan(self, target: int) -> list[Manifest]:
-        """Versions to apply, oldest first (see :func:`deltastore.sync.chain.plan`)."""
+        """Versions to apply, oldest first (see :meth:`deltastore.sync.chain.ChainReader.plan`)."""
         held = (
             None
             if self._version is None or self._digest is None
-            else Held(self._version, self._digest, self._adler)
+            else State(self._version, self._digest, self._adler)
         )
-        steps, why = plan(self.store.url, target, held, self.manifest, self._forget)
-        if why is not None:
+        plan = self._chain.plan(target, held)
+        if plan.why is not None:
             log.warning(
                 "store %s: %s; recovering from anchor %d, the newest at or below %d",
                 self.store.url,
-                why,
-                steps[0].version,
+                plan.why,
+                plan.steps[0].version,
                 target,
             )
-        return steps
-
-    def _forget(self, version: int | None) -> None:
-        """Drop a cached manifest that is not the store's any more (a publisher race), or
-        every cached one (None)."""
-        if version is None:
-            self._manifests.clear()
-        else:
-            self._manifests.pop(version, None)
+        return list(plan.steps)
 
     def _check_tables(self, steps: list[Manifest]) -> None:
         """Before anything is fetched: a change of the tensor table along ``steps`` needs an
@@ -448,16 +373,19 @@ class Subscriber:
         return t1 - t0, time.perf_counter() - t1
 
     def _check_parent(self, m: Manifest) -> None:
-        """Raise unless the delta ``m`` applies to the local state (the current version)."""
-        if m.kind == "delta" and set(m.tensors) != set(self._adler):
+        """Raise unless the delta ``m`` applies to the local state (the current version), by
+        the chain-link rule of :mod:`deltastore.format.chain`."""
+        if m.kind != "delta":
+            return
+        if set(m.tensors) != set(self._adler):
             raise ManifestError(
                 f"delta {m.version} names other tensors than its parent; a change of tensor "
                 "set needs an anchor: the store was written by a broken publisher"
             )
-        if m.kind == "delta" and (
-            m.parent is None
-            or m.parent.state_digest != self._digest
-            or any(e.parent_adler32 != self._adler[n] for n, e in m.tensors.items())
+        if (
+            self._version is None
+            or self._digest is None
+            or not State(self._version, self._digest, self._adler).fits(m)
         ):
             raise WrongParentError(
                 f"version {m.version} is a delta on version "
