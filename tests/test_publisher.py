@@ -19,6 +19,7 @@ from deltastore import (
     VersionOrderError,
 )
 from deltastore.format.manifest import manifest_key, parse_latest, parse_manifest
+from deltastore.publish.commit import advance_latest
 
 
 def model(seed: int, n: int = 50_000) -> dict[str, torch.Tensor]:
@@ -230,10 +231,10 @@ def test_latest_never_moves_backwards(tmp_path: Path) -> None:
     v1 = model(0)
     pub.publish(v1, version=1)
     pub.publish(nudge(v1, 1), version=7)
-    pub._advance_latest(3, b"{}")  # a slow writer finishing late
+    advance_latest(pub.store, 3, b"{}")  # a slow writer finishing late
     assert parse_latest((tmp_path / "LATEST").read_bytes()).version == 7
     (tmp_path / "LATEST").write_bytes(b"garbage")  # a damaged hint is replaced, not trusted
-    pub._advance_latest(8, b"{}")
+    advance_latest(pub.store, 8, b"{}")
     assert parse_latest((tmp_path / "LATEST").read_bytes()).version == 8
 
 

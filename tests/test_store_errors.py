@@ -313,13 +313,15 @@ def test_unsafe_commit_read_back_detects_another_publishers_manifest(
     Publisher(store, unsafe_commits=True).publish(tensors(1), version=1)
     pub = Publisher(store, unsafe_commits=True)
     pub.attach(tensors(1))
-    advance = pub._advance_latest
+    import deltastore.publish.publisher as publisher_module
 
-    def late(version: int, body: bytes) -> None:
-        advance(version, body)
+    advance = publisher_module.advance_latest
+
+    def late(target: Any, version: int, body: bytes) -> None:
+        advance(target, version, body)
         store.put(manifest_key(version), body.replace(pub.token.encode(), b"f" * 32))
 
-    monkeypatch.setattr(pub, "_advance_latest", late)
+    monkeypatch.setattr(publisher_module, "advance_latest", late)
     with pytest.raises(ForkError):
         pub.publish(tensors(3), version=3)
 

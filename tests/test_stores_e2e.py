@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+import deltastore.publish.publisher
 from deltastore import Publisher, StoreError, Subscriber
 from deltastore.format.manifest import LATEST_KEY, manifest_key, parse_latest
+from deltastore.publish.commit import advance_latest
 from deltastore.store import LocalStore, Store
 from deltastore.store.fsspec_store import RetryPolicy
 from deltastore.testing.synthetic import TINY, AdamWTrajectory
@@ -153,7 +155,9 @@ def test_poll_finds_a_version_committed_without_latest(
     assert sub.latest() is None
     pub.publish(states[0], version=1)
     assert sub.latest() == 1
-    monkeypatch.setattr(pub, "_advance_latest", lambda version, body: None)  # publisher died
+    monkeypatch.setattr(  # the publisher died between its commit and LATEST
+        deltastore.publish.publisher, "advance_latest", lambda store, version, body: None
+    )
     pub.publish(states[1], version=2)
     assert parse_latest(store.get(LATEST_KEY)).version == 1
     assert sub.latest() == 2  # LATEST is a hint: manifests after it are listed
@@ -178,7 +182,7 @@ def test_latest_cas_never_moves_backwards_on_s3(
     fast, slow = Publisher(store), Publisher(store)
     fast.publish(states[0], version=1)
     fast.publish(states[1], version=5)
-    slow._advance_latest(3, store.get(manifest_key(5)))  # a slow writer finishing late
+    advance_latest(slow.store, 3, store.get(manifest_key(5)))  # a slow writer finishing late
     assert parse_latest(store.get(LATEST_KEY)).version == 5
 
 
@@ -284,7 +288,7 @@ def test_slow_publisher_losing_the_latest_cas_does_not_move_it_back(
             raise
 
     slow_store.put_if_match = racing_put_if_match  # type: ignore[method-assign]
-    slow._advance_latest(2, shared.get(manifest_key(1)))
+    advance_latest(slow.store, 2, shared.get(manifest_key(1)))
     assert outcomes == ["lost"]  # the retry read v3 and did not write
     assert parse_latest(shared.get(LATEST_KEY)).version == 3
 

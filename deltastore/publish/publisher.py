@@ -504,7 +504,7 @@ class Publisher(_ChainWriter):
         )
         if not enforced:  # nothing stopped a second publisher: read back, before and after
             confirm_commit(self.store, version, body)
-        self._advance_latest(version, body)
+        advance_latest(self.store, version, body)
         if not enforced:
             confirm_commit(self.store, version, body)
         pending.upload_s += time.perf_counter() - t0
@@ -519,9 +519,6 @@ class Publisher(_ChainWriter):
             100 * report.payload_ratio,
         )
         return report
-
-    def _advance_latest(self, version: int, body: bytes) -> None:
-        advance_latest(self.store, version, body)
 
 
 __all__ = ["PublishReport", "Publisher"]
