@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-import deltastore.sync.subscriber as subscriber_module
+import deltastore.tensors.words as words_module
 from deltastore import Publisher, Subscriber
 from deltastore.errors import (
     ChainError,
@@ -493,7 +493,7 @@ def test_wrong_frame_changed_count(world: World) -> None:
 
 
 def test_failure_during_scatter_rolls_back(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = subscriber_module._scatter
+    real = words_module.scatter
     calls: list[int] = []
 
     def flaky(local: torch.Tensor, positions: np.ndarray, values: np.ndarray) -> None:
@@ -502,14 +502,14 @@ def test_failure_during_scatter_rolls_back(world: World, monkeypatch: pytest.Mon
             raise RuntimeError("injected failure in the 3rd scatter")
         real(local, positions, values)
 
-    monkeypatch.setattr(subscriber_module, "_scatter", flaky)
+    monkeypatch.setattr(words_module, "scatter", flaky)
     with pytest.raises(RuntimeError, match="injected"):
         world.sub.sync()
     assert len(calls) >= 4  # two scatters undone after the failing third
     assert world.sub.version == 1
     assert_bits(world.clone, world.sub.tensors)
     monkeypatch.undo()
-    assert subscriber_module._scatter is real
+    assert words_module.scatter is real
     assert world.sub.sync().version == 2
     assert_bits(clone_bits(world.template.v2), world.sub.tensors)
 
@@ -519,7 +519,7 @@ def test_partial_failing_scatter_is_rolled_back(
 ) -> None:
     """A scatter that writes and then fails (an asynchronous device error surfaces after
     the copy was issued) must be undone as well."""
-    real = subscriber_module._scatter
+    real = words_module.scatter
     calls: list[int] = []
 
     def writes_then_fails(local: torch.Tensor, positions: np.ndarray, values: np.ndarray) -> None:
@@ -528,7 +528,7 @@ def test_partial_failing_scatter_is_rolled_back(
         if len(calls) == 3:
             raise RuntimeError("injected failure after the 3rd scatter wrote")
 
-    monkeypatch.setattr(subscriber_module, "_scatter", writes_then_fails)
+    monkeypatch.setattr(words_module, "scatter", writes_then_fails)
     with pytest.raises(RuntimeError, match="injected"):
         world.sub.sync()
     assert world.sub.version == 1

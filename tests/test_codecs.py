@@ -669,3 +669,95 @@ def test_every_codec_in_one_delta(tmp_path: Path) -> None:
     for v, state in enumerate(states, start=1):
         follower.sync(v)
         assert_bit_equal(state, follower.tensors)
+
+
+# --- the codec dispatch: FrameDecoder.changes / decode_into / content_bound -----------------
+
+
+def apply_changes(
+    dec: FrameDecoder, codec: str, data: bytes, old: np.ndarray, changed: int
+) -> np.ndarray:
+    """``old`` with every :class:`codecs.Changes` of the frame applied (a copy)."""
+    out = old.copy()
+    for ch in dec.changes(codec, data, old.size, old.dtype.itemsize, changed):
+        if ch.positions is not None:
+            assert ch.xor and ch.first == 0 and ch.positions.dtype == np.int64
+            out[ch.positions] ^= ch.words
+        elif ch.xor:
+            out[ch.first : ch.first + ch.words.size] ^= ch.words
+        else:
+            out[ch.first : ch.first + ch.words.size] = ch.words
+    return out
+
+
+@FAST
+@given(change_params(max_n=(CHUNK_BYTES >> 1) + 1000))
+def test_changes_of_every_codec_rebuild_the_new_words(params: tuple[int, int, int, int]) -> None:
+    size, n, k, seed = params
+    old, new, positions, masks = random_change(seed, n, size, k)
+    enc, dec = FrameEncoder(), FrameDecoder()
+    frames = {
+        RAW: enc.raw(new),
+        XOR_DENSE: enc.xor_dense(old ^ new),
+        XOR_SPARSE: enc.xor_sparse(positions, masks),
+    }
+    for codec, data in frames.items():
+        assert np.array_equal(apply_changes(dec, codec, data, old, k), new), codec
+
+
+def test_changes_are_sparse_for_xor_sparse_and_dense_runs_otherwise() -> None:
+    old, new, positions, masks = random_change(7, 5000, 2, 40)
+    enc, dec = FrameEncoder(), FrameDecoder()
+    (sparse,) = dec.changes(XOR_SPARSE, enc.xor_sparse(positions, masks), 5000, 2, 40)
+    assert sparse.positions is not None and np.array_equal(sparse.positions, positions)
+    assert np.array_equal(sparse.words, masks) and sparse.xor
+    for codec, data, xor in (
+        (RAW, enc.raw(new), False),
+        (XOR_DENSE, enc.xor_dense(old ^ new), True),
+    ):
+        runs = [
+            (ch.first, ch.words.copy(), ch.xor, ch.positions)
+            for ch in dec.changes(codec, data, 5000, 2, 40)
+        ]
+        assert [r[0] for r in runs] == [0] and all(r[2] is xor and r[3] is None for r in runs)
+        assert np.array_equal(runs[0][1], new if codec == RAW else old ^ new)
+
+
+def test_an_unknown_codec_is_a_frame_error_at_once() -> None:
+    dec = FrameDecoder()
+    data = FrameEncoder().raw(np.arange(10, dtype=np.uint16))
+    with pytest.raises(FrameError, match="unknown frame codec 'xor-planes'"):
+        dec.changes("xor-planes", data, 10, 2, 10)
+    with pytest.raises(FrameError, match="unknown frame codec"):
+        codecs.content_bound("xor-planes", 10, 2)
+
+
+def test_decode_into_takes_only_frames_of_new_words() -> None:
+    words = np.arange(100, dtype=np.uint32)
+    enc, dec = FrameEncoder(), FrameDecoder()
+    out = np.empty_like(words)
+    dec.decode_into(RAW, enc.raw(words), out)
+    assert np.array_equal(out, words)
+    for codec, data in (
+        (XOR_DENSE, enc.xor_dense(words)),
+        (XOR_SPARSE, enc.xor_sparse(words[1:3].astype(np.int64), words[1:3])),
+    ):
+        with pytest.raises(FrameError, match="no new words"):
+            dec.decode_into(codec, data, out)
+
+
+def test_content_bound_is_the_largest_content_of_each_codec() -> None:
+    assert codecs.content_bound(RAW, 1000, 2) == codecs.content_bound(XOR_DENSE, 1000, 2) == 2000
+    assert codecs.content_bound(XOR_SPARSE, 1000, 2) == codecs.sparse_bound(1000, 2) == 8 + 6000
+
+
+def test_changes_keep_the_decoder_limits() -> None:
+    """The dispatch checks the content size against the manifest's bound before decompressing:
+    a frame claiming more than ``n * size`` (dense) or too few changes (sparse) is refused."""
+    enc, dec = FrameEncoder(), FrameDecoder()
+    words = np.arange(64, dtype=np.uint16)
+    with pytest.raises(FrameError, match="content bytes"):
+        list(dec.changes(RAW, enc.raw(words), 32, 2, 32))
+    positions = np.arange(0, 64, 2, dtype=np.int64)
+    with pytest.raises(FrameError):
+        list(dec.changes(XOR_SPARSE, enc.xor_sparse(positions, words[positions] | 1), 64, 2, 40))

@@ -182,7 +182,7 @@ def install(point: str, n: int) -> None:
     import deltastore.checkpoint.folders as folders
     import deltastore.checkpoint.safetensors as checkpoint
     import deltastore.sync.fetch as pipeline
-    import deltastore.sync.subscriber as subscriber
+    import deltastore.tensors.words as words
     from deltastore.format.codecs import FrameDecoder
 
     hit = countdown(n)
@@ -218,16 +218,16 @@ def install(point: str, n: int) -> None:
         FrameDecoder.sparse, FrameDecoder.into = sparse_, into_  # type: ignore[method-assign]
         FrameDecoder.chunks = chunks_  # type: ignore[method-assign]
     elif point == "verified":  # every frame and tensor verified, nothing written yet
-        write = subscriber.Subscriber._scatter
+        write_all = words.write_all
 
-        def scatter_method(self: Any, staged: Any) -> None:
+        def write_phase(writes: Any) -> None:
             if hit():
                 die()
-            write(self, staged)
+            write_all(writes)
 
-        subscriber.Subscriber._scatter = scatter_method  # type: ignore[method-assign]
+        words.write_all = write_phase
     elif point in ("write", "repair"):  # the n-th scatter writes half its words, then dies
-        scatter = subscriber._scatter
+        scatter = words.scatter
 
         def scatter_half(local: Any, positions: Any, values: Any) -> None:
             if hit():
@@ -236,7 +236,7 @@ def install(point: str, n: int) -> None:
                 die()
             scatter(local, positions, values)
 
-        subscriber._scatter = scatter_half
+        words.scatter = scatter_half
     elif point == "record":  # written and flushed, the sidecar not yet replaced
         write_state = folders._write_state
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import deltastore.sync.subscriber
+import deltastore.tensors.words
 from deltastore import (
     IntegrityError,
     Layout,
@@ -192,7 +192,7 @@ def test_scatter_failure_midway_is_rolled_back(
     v0, v1 = model(0), step(model(0), 1)
     pub.publish(v0, version=0)
     calls = {"n": 0}
-    real = deltastore.sync.subscriber._scatter
+    real = deltastore.tensors.words.scatter
 
     def flaky(local: torch.Tensor, positions: np.ndarray, values: np.ndarray) -> None:
         calls["n"] += 1
@@ -204,14 +204,14 @@ def test_scatter_failure_midway_is_rolled_back(
     sub = Subscriber(tmp_path, layout=two_ranks())
     sub.sync()
     before = bits(sub.tensors)
-    monkeypatch.setattr(deltastore.sync.subscriber, "_scatter", flaky)
+    monkeypatch.setattr(deltastore.tensors.words, "scatter", flaky)
     failing = Subscriber(tmp_path, layout=two_ranks(), tensors=sub.tensors, version=0)
     pub.publish(v1, version=1)
     with pytest.raises(OSError, match="device lost"):
         failing.sync()
     assert failing.version == 0
     assert all(torch.equal(before[n], t.view(torch.int16)) for n, t in sub.tensors.items())
-    monkeypatch.setattr(deltastore.sync.subscriber, "_scatter", real)
+    monkeypatch.setattr(deltastore.tensors.words, "scatter", real)
     again = Subscriber(tmp_path, layout=two_ranks(), tensors=sub.tensors, version=0)
     again.sync()
     assert all(

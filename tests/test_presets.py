@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import deltastore.sync.subscriber as subscriber
+import deltastore.tensors.words as words_module
 from deltastore import Publisher, Subscriber
 from deltastore.errors import LayoutError, TensorMismatchError
 from deltastore.format.manifest import Manifest
@@ -450,7 +450,7 @@ def test_pause_resume_around_writes(
         ]
         return same[-1] if same else None
 
-    real = subscriber._scatter
+    real = words_module.scatter
     calls = {"n": 0, "fail_at": -1}
 
     def flaky(words: torch.Tensor, positions: np.ndarray, values: np.ndarray) -> None:
@@ -459,7 +459,7 @@ def test_pause_resume_around_writes(
             raise OSError("device lost")
         real(words, positions, values)
 
-    monkeypatch.setattr(subscriber, "_scatter", flaky)  # before the Subscriber takes it
+    monkeypatch.setattr(words_module, "scatter", flaky)
     sub = Subscriber(
         store,
         layout=engine_layout(QWEN3_MOE, ranks),

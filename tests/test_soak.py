@@ -22,8 +22,8 @@ Faults, drawn from a seed (printed; ``DELTASTORE_SOAK_SEED`` overrides):
   hash of (seed, follower, attempt, operation, key, occurrence), not of thread timing, so a
   run is reproducible from its seed (up to how many more faults the other workers of a failed
   sync meet before they stop);
-- write failures: ``deltastore.sync.subscriber._scatter`` is wrapped (before any subscriber takes
-  it) and, in ~8% of the syncs of a follower that is behind, the n-th scatter writes half its
+- write failures: ``deltastore.tensors.words.scatter`` (the scatter of every write phase) is
+  wrapped and, in ~8% of the syncs of a follower that is behind, the n-th scatter writes half its
   words and raises: the version must be rolled back;
 - killed pulls: at a few versions the folder's pull runs in a child forked by the helper of
   ``tests/test_crash_sync.py``, which SIGKILLs itself halfway through the n-th scatter of the
@@ -62,7 +62,7 @@ import pytest
 import torch
 import xxhash
 
-import deltastore.sync.subscriber
+import deltastore.tensors.words
 from deltastore import IntegrityError, LocalStore, Publisher, Subscriber
 from deltastore.checkpoint.folders import PENDING, FolderSync, read_state
 from deltastore.checkpoint.safetensors import MappedCheckpoint, locate
@@ -158,7 +158,7 @@ class InjectedWriteError(OSError):
 
 
 class FlakyScatter:
-    """Wraps ``deltastore.sync.subscriber._scatter``; once armed with n, the n-th call writes half
+    """Wraps ``deltastore.tensors.words.scatter``; once armed with n, the n-th call writes half
     of its words and raises :class:`InjectedWriteError`."""
 
     def __init__(self, real: Callable[..., None]) -> None:
@@ -558,8 +558,8 @@ def test_soak(
         f"\nsoak: seed {SEED} (DELTASTORE_SOAK_SEED), {VERSIONS} versions "
         "(DELTASTORE_SOAK_VERSIONS)"
     )
-    flaky = FlakyScatter(deltastore.sync.subscriber._scatter)
-    monkeypatch.setattr(deltastore.sync.subscriber, "_scatter", flaky)  # before any Subscriber
+    flaky = FlakyScatter(deltastore.tensors.words.scatter)
+    monkeypatch.setattr(deltastore.tensors.words, "scatter", flaky)
     soak = Soak(tmp_path, killer, flaky)
     soak.run()
     c = soak.counts

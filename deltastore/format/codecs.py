@@ -19,6 +19,10 @@ is exactly one zstd frame whose header carries the content size. Decompressed co
 Decoders never allocate more than the frame's declared size: the zstd content size is checked
 against the bound the manifest implies before anything is decompressed.
 
+This module is the only place that branches on a codec name: receivers take a frame's changes
+from :meth:`FrameDecoder.changes` (or new words from :meth:`FrameDecoder.decode_into`) and
+bound stored frames with :func:`content_bound`.
+
 Thread-safety: :class:`FrameEncoder` and :class:`FrameDecoder` hold zstd contexts and reusable
 buffers; use one instance per thread.
 """
@@ -26,6 +30,7 @@ buffers; use one instance per thread.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Final, Literal
 
 import numpy as np
@@ -79,6 +84,36 @@ def compress_bound(n: int) -> int:
 def sparse_bound(n: int, size: int) -> int:
     """Largest decompressed size of an ``xor-sparse`` frame of ``n`` elements of ``size`` bytes."""
     return SPARSE_HEADER + n * (4 + size)
+
+
+def content_bound(codec: str, n: int, size: int) -> int:
+    """Largest decompressed size (bytes) of a ``codec`` frame of ``n`` elements of ``size``
+    bytes: ``n * size``, or :func:`sparse_bound` for ``xor-sparse``; :class:`FrameError` for a
+    codec v1 does not define."""
+    if codec == XOR_SPARSE:
+        return sparse_bound(n, size)
+    if codec in (RAW, XOR_DENSE):
+        return n * size
+    raise FrameError(f"unknown frame codec {codec!r}")
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What one frame, or one run of it, changes; element positions are frame-relative.
+
+    Sparse (``positions`` is not None, ``first`` is 0): the elements at ``positions`` (int64,
+    strictly ascending, each below the frame's ``n``) change by ``words``, their XOR masks
+    (never zero; ``xor`` is True). Dense (``positions`` is None): ``words`` covers the run of
+    elements ``[first, first + words.size)``; they are the new words when ``xor`` is False
+    (``raw``), else ``old XOR new`` (``xor-dense``: a zero word is an unchanged element).
+    Words are unsigned little-endian (:func:`~deltastore.format.dtypes.word_dtype`). A dense
+    run's ``words`` is a view of the decoder's reused buffer, valid until its iterator moves on.
+    """
+
+    words: np.ndarray
+    xor: bool
+    first: int = 0
+    positions: np.ndarray | None = None
 
 
 def _frame_size(data: bytes) -> int:
@@ -181,6 +216,30 @@ class FrameDecoder:
                 f"the {self._max_window} this reader allows"
             )
         return size
+
+    def changes(
+        self, codec: str, data: bytes, n: int, size: int, changed: int
+    ) -> Iterator[Changes]:
+        """The changes a stored ``codec`` frame of ``n`` elements of ``size`` bytes makes: one
+        sparse :class:`Changes` for ``xor-sparse`` (decoded at once, ``changed`` checked), else
+        dense runs of at most :data:`CHUNK_BYTES` bytes, in order, decoded as the iterator
+        advances. The content size is checked against the frame's bound before anything is
+        decompressed; :class:`FrameError` for a damaged frame or an unknown codec (at once)."""
+        if codec == XOR_SPARSE:
+            positions, masks = self.sparse(data, n, size, changed)
+            return iter((Changes(masks, True, 0, positions),))
+        if codec in (RAW, XOR_DENSE):
+            xor = codec == XOR_DENSE
+            return (Changes(words, xor, first) for first, words in self.chunks(data, n, size))
+        raise FrameError(f"unknown frame codec {codec!r}")
+
+    def decode_into(self, codec: str, data: bytes, out: np.ndarray) -> None:
+        """Decode a frame of new words (``raw``, every frame of an anchor) straight into
+        ``out`` (contiguous words, exactly the frame's size); :class:`FrameError` for another
+        codec, whose frames hold XOR masks that need the old words (use :meth:`changes`)."""
+        if codec != RAW:
+            raise FrameError(f"a {codec!r} frame holds no new words to decode into place")
+        self.into(data, out)
 
     def sparse(self, data: bytes, n: int, size: int, changed: int) -> tuple[np.ndarray, np.ndarray]:
         """Decode ``xor-sparse``: (frame-local int64 positions, unsigned XOR masks)."""

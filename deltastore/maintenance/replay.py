@@ -20,7 +20,7 @@ import xxhash
 
 from deltastore.errors import FrameError, ObjectNotFoundError
 from deltastore.format.checksum import adler32
-from deltastore.format.codecs import RAW, XOR_SPARSE, FrameDecoder
+from deltastore.format.codecs import FrameDecoder
 from deltastore.format.dtypes import itemsize, word_dtype
 from deltastore.format.keys import manifest_key
 from deltastore.format.manifest import Frame, Manifest, TensorEntry
@@ -167,21 +167,22 @@ class Replay:
         return True
 
     def _decode(self, f: Frame, data: bytes, seg: np.ndarray, size: int) -> int:
-        """Apply one stored frame to ``seg`` (the frame's elements); return how many changed."""
-        n = f.stop - f.start
-        if f.codec == XOR_SPARSE:
-            pos, masks = self.dec.sparse(data, n, size, f.changed)
-            seg[pos] ^= masks
-            return int(pos.size)
+        """Apply one stored frame to ``seg`` (the frame's elements, unsigned words, in place);
+        return how many elements changed. Decoded by the one codec dispatch
+        (:meth:`~deltastore.format.codecs.FrameDecoder.changes`)."""
         changed = 0
-        for first, words in self.dec.chunks(data, n, size):
-            part = seg[first : first + words.size]
-            if f.codec == RAW:
-                changed += int(np.count_nonzero(part != words))
-                part[:] = words
+        for ch in self.dec.changes(f.codec, data, f.stop - f.start, size, f.changed):
+            if ch.positions is not None:  # XOR masks, never zero: every position changes
+                seg[ch.positions] ^= ch.words
+                changed += int(ch.positions.size)
+                continue
+            part = seg[ch.first : ch.first + ch.words.size]
+            if ch.xor:
+                changed += int(np.count_nonzero(ch.words))
+                part ^= ch.words
             else:
-                changed += int(np.count_nonzero(words))
-                part ^= words
+                changed += int(np.count_nonzero(part != ch.words))
+                part[:] = ch.words
         return changed
 
 

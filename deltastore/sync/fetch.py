@@ -10,20 +10,30 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import xxhash
 
 from deltastore.errors import DeltastoreError, FrameError, IntegrityError
 from deltastore.format.codecs import FrameDecoder
-from deltastore.format.manifest import Frame
+from deltastore.format.manifest import Frame, Manifest, TensorEntry
 from deltastore.progress import ProgressFn, Ticker
 from deltastore.store import Store
 
-T = TypeVar("T", bound=tuple[Any, ...])
 #: Most stored bytes fetched by one ranged read of adjacent frames.
 MAX_SPAN = 32 << 20
 R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class FrameTask:
+    """One frame of a version to fetch and work on: tensor ``name``, its manifest ``entry``
+    and the ``frame`` itself."""
+
+    name: str
+    entry: TensorEntry
+    frame: Frame
 
 
 class Timer(Ticker):
@@ -74,6 +84,11 @@ class ByteBudget:
             self._cond.notify_all()
 
 
+def frame_tasks(m: Manifest) -> list[FrameTask]:
+    """Every frame of ``m``, in tensor and element order."""
+    return [FrameTask(name, entry, f) for name, entry in m.tensors.items() for f in entry.frames]
+
+
 def raise_first(futures: Iterable[Future[Any]]) -> None:
     """Re-raise the first real error among the futures (skipped tasks do not count)."""
     for fut in futures:
@@ -122,17 +137,17 @@ class Fetcher:
         timer.add(nbytes=len(data))
         return data
 
-    def _groups(self, tasks: Sequence[T]) -> list[list[int]]:
+    def _groups(self, tasks: Sequence[FrameTask]) -> list[list[int]]:
         """Indices of consecutive tasks whose frames sit back to back in one object, fetched as
         one range of at most :data:`MAX_SPAN` bytes (a version's frames are packed in order, so
         a delta costs about one request per data object instead of one per frame)."""
         groups: list[list[int]] = []
         limit = min(MAX_SPAN, self._max_inflight)
         for i, task in enumerate(tasks):
-            f: Frame = task[-1]
+            f = task.frame
             if groups:
-                last: Frame = tasks[groups[-1][-1]][-1]
-                first: Frame = tasks[groups[-1][0]][-1]
+                last = tasks[groups[-1][-1]].frame
+                first = tasks[groups[-1][0]].frame
                 if (
                     f.object == last.object
                     and f.offset == last.offset + last.length
@@ -144,10 +159,14 @@ class Fetcher:
         return groups
 
     def run(
-        self, tasks: Sequence[T], work: Callable[[T, bytes, FrameDecoder], R], timer: Timer
+        self,
+        tasks: Sequence[FrameTask],
+        work: Callable[[FrameTask, bytes, FrameDecoder], R],
+        timer: Timer,
     ) -> list[R]:
-        """``work(task, stored_bytes, decoder)`` for every task (its last item is its
-        :class:`Frame`), in task order; the first real error is raised after the pool stopped.
+        """``work(task, stored_bytes, decoder)`` for every task, called on a worker thread
+        with that thread's decoder; the results in task order. The first real error is raised
+        after the pool stopped.
 
         Adjacent frames are fetched with one ranged read (:meth:`_groups`); the frames of a
         read are then worked on in parallel. The in-flight budget counts a read's bytes until
@@ -158,7 +177,7 @@ class Fetcher:
         frames: list[Future[R] | None] = [None] * len(tasks)
 
         def frame_job(i: int, span: tuple[int, bytes] | None, left: list[int]) -> R:
-            frame: Frame = tasks[i][-1]
+            frame = tasks[i].frame
             try:
                 if failed.is_set():
                     raise Cancelled("skipped after an earlier frame failed")
@@ -183,7 +202,7 @@ class Fetcher:
                     raise Cancelled("skipped after an earlier frame failed")
                 span = None
                 if len(group) > 1:
-                    first: Frame = tasks[group[0]][-1]
+                    first = tasks[group[0]].frame
                     t0 = time.perf_counter()
                     span = (first.offset, self.store.get_range(first.object, first.offset, size))
                     timer.add(fetch=time.perf_counter() - t0)
@@ -200,7 +219,7 @@ class Fetcher:
             for group in self._groups(tasks):
                 if failed.is_set():
                     break
-                size = sum(tasks[i][-1].length for i in group)
+                size = sum(tasks[i].frame.length for i in group)
                 budget.acquire(size)
                 reads.append(pool.submit(read_job, pool, group, size))
             wait(reads)  # every frame job is submitted once its read is done

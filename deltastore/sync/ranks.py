@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, MutableMapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -44,23 +43,35 @@ from deltastore.errors import (
     StoreError,
     TensorMismatchError,
 )
-from deltastore.format.checksum import (
-    INVERSE,
-    MOD,
-    adler32,
-    apply_delta,
-    delta_sums,
-    shift_to_outer,
-)
-from deltastore.format.codecs import RAW, XOR_SPARSE, FrameDecoder
+from deltastore.format.checksum import INVERSE, MOD, adler32
+from deltastore.format.codecs import FrameDecoder
 from deltastore.format.dtypes import itemsize, word_dtype
-from deltastore.format.manifest import Frame, Manifest, TensorEntry
-from deltastore.layout.boxes import BoundLayout, Layout, _contiguous, _span, covered, inside
-from deltastore.sync.fetch import Fetcher, Timer
+from deltastore.format.manifest import Manifest, TensorEntry
+from deltastore.layout.boxes import (
+    BoundLayout,
+    Layout,
+    covered,
+    flat_span,
+    inside,
+    is_contiguous_box,
+)
+from deltastore.sync.apply import (
+    Hooks,
+    Sums,
+    Totals,
+    Update,
+    contribution,
+    stage_at,
+    stage_run,
+    verify_tensors,
+    write_phase,
+    writes_of,
+)
+from deltastore.sync.fetch import Fetcher, FrameTask, Timer
 from deltastore.sync.group import Group
 from deltastore.sync.routing import Boxes, Segment, exchange, route, route_range
+from deltastore.tensors import words
 from deltastore.tensors.dtypes import dtype_from_name, flat_words
-from deltastore.tensors.words import gather, gather_range, restore_all, scatter_range, write_all
 
 #: Dense bytes of anchor frames decoded and exchanged per round (bounds exchange memory).
 ROUND_BYTES = 256 << 20
@@ -73,15 +84,6 @@ _CODES: tuple[type[BaseException], ...] = (
     DeltastoreError,
     Exception,
 )
-Task = tuple[str, TensorEntry, Frame]
-
-
-@dataclass
-class _Write:
-    local: str
-    positions: np.ndarray
-    old: np.ndarray
-    new: np.ndarray
 
 
 def zero_adler(nbytes: int) -> int:
@@ -92,8 +94,8 @@ def zero_adler(nbytes: int) -> int:
 class LayoutSync:
     """Applies manifests to the local tensors of one rank through ``layout``."""
 
-    def __init__(self, layout: Layout | None, group: Group, scatter: Callable[..., None]) -> None:
-        self.layout, self.group, self._scatter = layout, group, scatter
+    def __init__(self, layout: Layout | None, group: Group) -> None:
+        self.layout, self.group = layout, group
         self.bound: BoundLayout | None = None
         self._table: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
         self._holders: dict[str, list[tuple[int, Boxes]]] = {}
@@ -173,18 +175,22 @@ class LayoutSync:
         tensors: MutableMapping[str, torch.Tensor],
         parent: dict[str, int] | None,
         timer: Timer,
-        hooks: tuple[Callable[[], None] | None, Callable[[], None] | None],
+        hooks: Hooks,
     ) -> tuple[float, float]:
         """Apply ``m`` to ``tensors`` (at the state whose per-tensor Adler-32 is ``parent``;
-        None: unknown state, written directly from an anchor). Returns (verify s, pause s)."""
+        None: unknown state, written directly from an anchor). Returns (verify s, pause s).
+
+        Staged against a known state, the write phase (:func:`~deltastore.sync.apply.write_phase`)
+        runs between ``hooks.pause`` and ``hooks.resume``; written directly, the whole apply
+        does."""
         rounds = self._rounds(m)
-        writes: list[_Write] = []
-        sums = np.zeros(2 * len(self._names), dtype=np.int64)
+        updates: list[Update] = []
+        totals = Totals(len(self._names))
         error: BaseException | None = None
         staged = 0.0  # gather + checksum of received changes: verification work
-        pause, resume = hooks
-        if parent is None and pause is not None:
-            pause()
+        fresh = parent is None
+        if fresh and hooks.pause is not None:
+            hooks.pause()
         try:
             for mine in rounds:
                 out: list[list[Segment]] = [[] for _ in range(self.group.world)]
@@ -200,116 +206,117 @@ class LayoutSync:
                 if error is None:
                     try:
                         for seg in received:
-                            self._stage(seg, m, tensors, writes, sums, fresh=parent is None)
+                            self._stage(seg, m, tensors, updates, totals, fresh=fresh)
                     except Exception as exc:
                         error = exc
                 staged += time.perf_counter() - t0
                 if error is not None and self.group.world == 1:
                     raise error
             t0 = time.perf_counter()
-            self._agree(error, m, sums, parent)
+            self._agree(error, m, totals, parent)
             t1 = time.perf_counter()
-            if parent is not None:
-                self._write(writes, tensors, hooks)
+            if not fresh:  # every rank writes, or none does
+                write_phase(writes_of(tensors, updates), hooks, self._failed_ranks)
         finally:
-            if parent is None and resume is not None:
-                resume()
+            if fresh and hooks.resume is not None:
+                hooks.resume()
         return staged + t1 - t0, time.perf_counter() - t1
 
     def check(self, m: Manifest, tensors: MutableMapping[str, torch.Tensor]) -> list[str]:
         """Names of held tensors whose content is not at ``m`` (full read, a collective)."""
-        sums = np.zeros(2 * len(self._names), dtype=np.int64)
+        totals = Totals(len(self._names))
         for name, ps in (self.bound.placements if self.bound else {}).items():
             entry = m.tensors[name]
             size = itemsize(entry.dtype)
             every = [b for _, bs in self._holders[name] for b in bs]
             for p in ps:
-                words = flat_words(tensors[p.local])
+                dest = flat_words(tensors[p.local])
                 lo, hi = p.span()
                 for a in range(lo, hi, 1 << 22):
                     pos = np.arange(a, min(hi, a + (1 << 22)), dtype=np.int64)
                     idx, local = p.select(pos)
                     gpos = pos[idx]
                     copies = sum(inside(gpos, entry.shape, o, n).astype(np.int64) for o, n in every)
-                    vals = gather(words, local, word_dtype(size))
-                    da, db = delta_sums(
-                        gpos, np.zeros_like(vals), vals, entry.nbytes, INVERSE[copies]
+                    vals = words.gather(dest, local, word_dtype(size))
+                    totals.add(
+                        self._index[name],
+                        contribution(
+                            gpos, np.zeros_like(vals), vals, entry.nbytes, INVERSE[copies]
+                        ),
                     )
-                    sums[2 * self._index[name]] += da
-                    sums[2 * self._index[name] + 1] += db
-        total = self.group.all_reduce_sum(sums) % MOD
+        total = self.group.all_reduce_sum(totals.vector)
         return [
             n
             for i, n in enumerate(self._names)
             if n in self._holders
-            and apply_delta(
-                zero_adler(m.tensors[n].nbytes), int(total[2 * i]), int(total[2 * i + 1])
-            )
-            != m.tensors[n].adler32
+            and totals.adler(i, zero_adler(m.tensors[n].nbytes), total) != m.tensors[n].adler32
         ]
 
     # --- steps --------------------------------------------------------------------------
 
-    def _rounds(self, m: Manifest) -> list[list[Task]]:
+    def _rounds(self, m: Manifest) -> list[list[FrameTask]]:
         """This rank's frames, per round (every rank computes every rank's share alike)."""
         tasks = [
-            (name, entry, f)
+            FrameTask(name, entry, f)
             for name, entry in m.tensors.items()
             if name in self._holders
             for f in entry.frames
             if any(
                 a < f.stop and f.start < b
                 for _, boxes in self._holders[name]
-                for a, b in (_span(entry.shape, o, n) for o, n in boxes)
+                for a, b in (flat_span(entry.shape, o, n) for o, n in boxes)
             )
         ]
-        rounds: list[list[Task]] = [[]]
+        rounds: list[list[FrameTask]] = [[]]
         dense = 0
         for t in tasks:
-            size = (t[2].stop - t[2].start) * itemsize(t[1].dtype)
+            size = (t.frame.stop - t.frame.start) * itemsize(t.entry.dtype)
             if m.kind == "anchor" and rounds[-1] and dense + size > ROUND_BYTES:
                 rounds.append([])
                 dense = 0
             rounds[-1].append(t)
             dense += size
-        mine: list[list[Task]] = []
+        mine: list[list[FrameTask]] = []
         for batch in rounds:
             load = [0] * self.group.world
             owner: dict[int, int] = {}
-            for i in sorted(range(len(batch)), key=lambda i: -batch[i][2].length):
+            for i in sorted(range(len(batch)), key=lambda i: -batch[i].frame.length):
                 r = min(range(self.group.world), key=load.__getitem__)
                 owner[i] = r
-                load[r] += batch[i][2].length
+                load[r] += batch[i].frame.length
             mine.append([t for i, t in enumerate(batch) if owner[i] == self.group.rank])
         return mine
 
-    def _decoder(self) -> Callable[[Task, bytes, FrameDecoder], list[list[Segment]]]:
-        def decode(task: Task, data: bytes, dec: FrameDecoder) -> list[list[Segment]]:
-            name, entry, f = task
+    def _decoder(self) -> Callable[[FrameTask, bytes, FrameDecoder], list[list[Segment]]]:
+        """Per-frame work on the fetcher's threads: decode (the one codec dispatch), check the
+        frame's changed count (XOR changes) or Adler-32 (new words, checked here since no rank
+        sees the whole frame later), and route the changes to the ranks holding them."""
+
+        def decode(task: FrameTask, data: bytes, dec: FrameDecoder) -> list[list[Segment]]:
+            name, entry, f = task.name, task.entry, task.frame
             ti, holders = self._index[name], self._holders[name]
             size, n = itemsize(entry.dtype), f.stop - f.start
             routed: list[list[Segment]] = [[] for _ in range(self.group.world)]
-            if f.codec == XOR_SPARSE:
-                pos, masks = dec.sparse(data, n, size, f.changed)
-                route(ti, entry.shape, holders, False, pos + f.start, masks, routed)
-                return routed
-            value, changed = 1, 0
-            for first, words in dec.chunks(data, n, size):
-                if f.codec == RAW:
-                    value = adler32(words, value)
-                    route_range(ti, entry.shape, holders, f.start + first, words, routed)
-                else:
-                    idx = dec.nonzero(words)
+            value, changed, new_words = 1, 0, False
+            for ch in dec.changes(f.codec, data, n, size, f.changed):
+                if ch.positions is not None:
+                    changed += ch.positions.size
+                    route(ti, entry.shape, holders, False, ch.positions + f.start, ch.words, routed)
+                elif ch.xor:
+                    idx = dec.nonzero(ch.words)
                     changed += idx.size
-                    route(
-                        ti, entry.shape, holders, False, idx + (f.start + first), words[idx], routed
-                    )
-            if f.codec == RAW and value != f.adler32:
+                    at = idx + (f.start + ch.first)
+                    route(ti, entry.shape, holders, False, at, ch.words[idx], routed)
+                else:
+                    new_words = True
+                    value = adler32(ch.words, value)
+                    route_range(ti, entry.shape, holders, f.start + ch.first, ch.words, routed)
+            if new_words and value != f.adler32:
                 raise IntegrityError(
                     f"{name}[{f.start}:{f.stop}]: raw frame decodes to Adler-32 {value:08x}, "
                     f"the manifest says {f.adler32:08x}; the stored object is damaged"
                 )
-            if f.codec != RAW and changed != f.changed:
+            if not new_words and changed != f.changed:
                 raise FrameError(
                     f"{name}[{f.start}:{f.stop}]: frame changes {changed} elements, "
                     f"the manifest says {f.changed}"
@@ -323,50 +330,47 @@ class LayoutSync:
         seg: Segment,
         m: Manifest,
         tensors: MutableMapping[str, torch.Tensor],
-        writes: list[_Write],
-        sums: np.ndarray,
+        updates: list[Update],
+        totals: Totals,
         *,
         fresh: bool,
     ) -> None:
-        """Map one segment into the local tensors: stage writes (or, fresh, write now) and add
-        the owned elements' Adler-32 contributions to ``sums``."""
+        """Map one segment into the local tensors: stage updates (or, fresh, write now) and add
+        the held elements' Adler-32 contributions, weighted per copy, to ``totals``."""
         if self.bound is None:  # pragma: no cover - bound before apply
             raise LayoutError("layout is not bound")
         name = self._names[seg.tensor]
         entry = m.tensors[name]
-        wdt = word_dtype(itemsize(entry.dtype))
         if seg.start >= 0:
-            seg = self._stage_range(seg, entry, tensors, writes, sums, fresh=fresh)
+            seg = self._stage_range(seg, entry, tensors, updates, totals, fresh=fresh)
         for p in self.bound.placements.get(name, ()):
             idx, local = p.select(seg.positions)
             if not idx.size:
                 continue
             copies = seg.copies[idx]
             weights = None if copies.max(initial=1) == 1 else INVERSE[copies]
-            words = flat_words(tensors[p.local])
+            dest = flat_words(tensors[p.local])
             vals = seg.values[idx]
             if fresh:
                 if not seg.raw:
                     raise ManifestError(f"{name}: a fresh receiver needs an anchor, got a delta")
-                self._scatter(words, local, vals)
-                old = np.zeros_like(vals)
-                new = vals
+                words.scatter(dest, local, vals)
+                old, new = np.zeros_like(vals), vals
             else:
-                old = gather(words, local, wdt)
-                new = vals if seg.raw else old ^ vals
+                old, new = stage_at(dest, local, vals, xor=not seg.raw)
                 ch = np.flatnonzero(new != old)
-                writes.append(_Write(p.local, local[ch], old[ch], new[ch]))
-            da, db = delta_sums(seg.positions[idx], old, new, entry.nbytes, weights)
-            sums[2 * seg.tensor] += da
-            sums[2 * seg.tensor + 1] += db
+                updates.append(Update(p.local, 0, local[ch], old[ch], new[ch]))
+            totals.add(
+                seg.tensor, contribution(seg.positions[idx], old, new, entry.nbytes, weights)
+            )
 
     def _stage_range(
         self,
         seg: Segment,
         entry: TensorEntry,
         tensors: MutableMapping[str, torch.Tensor],
-        writes: list[_Write],
-        sums: np.ndarray,
+        updates: list[Update],
+        totals: Totals,
         *,
         fresh: bool,
     ) -> Segment:
@@ -388,26 +392,19 @@ class LayoutSync:
             if k is None:
                 continue
             rest[a - lo : b - lo] = False
-            words = flat_words(tensors[p.local])
-            new = seg.values[a - lo : b - lo]
+            dest = flat_words(tensors[p.local])
             at = dst + a - src
             if fresh:
-                scatter_range(words, at, new)
-                value, m = adler32(new), (b - a) * size
-                da, db = shift_to_outer(
-                    ((value & 0xFFFF) - 1) % MOD,
-                    ((value >> 16) - m) % MOD,
-                    m,
-                    a * size,
-                    entry.nbytes,
-                )
+                new = seg.values[a - lo : b - lo]
+                words.scatter_range(dest, at, new)
+                sums = Sums.from_zeros(adler32(new), (b - a) * size)
+                sums = sums.shift((b - a) * size, a * size, entry.nbytes)
             else:
-                old = gather_range(words, at, b - a, new.dtype)
+                old, new = stage_run(dest, at, seg.values[a - lo : b - lo], xor=False)
                 ch = np.flatnonzero(old != new)
-                writes.append(_Write(p.local, ch + at, old[ch], new[ch]))
-                da, db = delta_sums(ch + a, old[ch], new[ch], entry.nbytes)
-            sums[2 * seg.tensor] += da * int(INVERSE[k]) % MOD
-            sums[2 * seg.tensor + 1] += db * int(INVERSE[k]) % MOD
+                updates.append(Update(p.local, 0, ch + at, old[ch], new[ch]))
+                sums = contribution(ch + a, old[ch], new[ch], entry.nbytes)
+            totals.add(seg.tensor, sums.weighted(int(INVERSE[k])))
         left = np.flatnonzero(rest)
         pos = left + lo
         every = [b for _, bs in self._holders[name] for b in bs]
@@ -423,10 +420,10 @@ class LayoutSync:
         k = 0
         for _, boxes in self._holders[name]:
             for o, n in boxes:
-                lo, hi = _span(shape, o, n)
+                lo, hi = flat_span(shape, o, n)
                 if hi <= a or b <= lo:
                     continue
-                if _contiguous(shape, o, n) and lo <= a and b <= hi:
+                if is_contiguous_box(shape, o, n) and lo <= a and b <= hi:
                     k += 1
                 else:
                     return None
@@ -436,15 +433,15 @@ class LayoutSync:
         self,
         error: BaseException | None,
         m: Manifest,
-        sums: np.ndarray,
+        totals: Totals,
         parent: dict[str, int] | None,
     ) -> None:
         """All-reduce failure codes and checksum contributions; raise unless all is well."""
         world = self.group.world
-        vec = np.zeros(world + sums.size, dtype=np.int64)
+        vec = np.zeros(world + totals.vector.size, dtype=np.int64)
         if error is not None:
             vec[self.group.rank] = 1 + next(i for i, c in enumerate(_CODES) if isinstance(error, c))
-        vec[world:] = sums % MOD
+        vec[world:] = totals.vector % MOD
         total = self.group.all_reduce_sum(vec)
         if error is not None:
             raise error
@@ -456,58 +453,24 @@ class LayoutSync:
                 + ", ".join(f"rank {r} failed ({_CODES[c - 1].__name__})" for r, c in failed)
                 + "; see that rank's log. Nothing was written on any rank"
             )
-        bad = []
-        for i, name in enumerate(self._names):
-            if name not in self._holders:
-                continue
-            entry = m.tensors[name]
-            base = zero_adler(entry.nbytes) if parent is None else parent[name]
-            got = apply_delta(
-                base, int(total[world + 2 * i]) % MOD, int(total[world + 2 * i + 1]) % MOD
+        got = {
+            name: totals.adler(
+                i,
+                zero_adler(m.tensors[name].nbytes) if parent is None else parent[name],
+                total[world:],
             )
-            if got != entry.adler32:
-                bad.append(f"{name} ({got:08x}, manifest {entry.adler32:08x})")
-        if bad:
-            raise IntegrityError(
-                f"version {m.version}: {len(bad)} tensors would not have the manifest's Adler-32 "
-                f"after the update: {', '.join(bad[:4])}; "
-                + ("they hold garbage now: sync again" if parent is None else "nothing was written")
-            )
+            for i, name in enumerate(self._names)
+            if name in self._holders
+        }
+        verify_tensors(
+            m, got, "they hold garbage now: sync again" if parent is None else "nothing was written"
+        )
 
-    def _write(
-        self,
-        writes: list[_Write],
-        tensors: MutableMapping[str, torch.Tensor],
-        hooks: tuple[Callable[[], None] | None, Callable[[], None] | None],
-    ) -> None:
-        """The write phase: scatter everywhere or, if any rank fails, nowhere."""
-        pause, resume = hooks
-        if pause is not None:
-            pause()
-        try:
-            items = [
-                (flat_words(tensors[w.local]), w.positions, w.old, w.new)
-                for w in writes
-                if w.positions.size
-            ]
-            error: BaseException | None = None
-            try:
-                write_all(items, self._scatter)  # all or nothing on this rank
-            except Exception as exc:
-                error = exc
-            flags = np.zeros(self.group.world, dtype=np.int64)
-            flags[self.group.rank] = error is not None
-            failed = np.flatnonzero(self.group.all_reduce_sum(flags))
-            if failed.size:
-                if error is not None:
-                    raise error
-                restore_all(items, self._scatter)
-                raise RankError(
-                    f"rank(s) {failed.tolist()} failed to write; every rank restored its tensors"
-                )
-        finally:
-            if resume is not None:
-                resume()
+    def _failed_ranks(self, failed_here: bool) -> list[int]:
+        """The ranks whose writes failed (a collective: one all-reduce)."""
+        flags = np.zeros(self.group.world, dtype=np.int64)
+        flags[self.group.rank] = failed_here
+        return [int(r) for r in np.flatnonzero(self.group.all_reduce_sum(flags))]
 
 
 __all__ = ["LayoutSync", "Segment", "zero_adler"]

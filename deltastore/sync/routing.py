@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from deltastore.format.dtypes import itemsize, word_dtype
-from deltastore.layout.boxes import _span, inside
+from deltastore.layout.boxes import flat_span, inside
 from deltastore.sync.group import Group
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -24,7 +24,7 @@ Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
 Holders = list[tuple[int, Boxes]]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Segment:
     """Decoded changes of one frame (piece) for one rank: ``raw`` values are new words,
     otherwise XOR masks; ``copies`` is each element's number of copies in the group. Anchor
@@ -77,7 +77,7 @@ def route_range(
     hull of its boxes."""
     stop = start + words.size
     for r, boxes in holders:
-        spans = [_span(shape, o, n) for o, n in boxes]
+        spans = [flat_span(shape, o, n) for o, n in boxes]
         a = max(start, min(lo for lo, _ in spans))
         b = min(stop, max(hi for _, hi in spans))
         if a < b:

@@ -1,8 +1,9 @@
-"""One frame of a version applied against local tensors: staged (read only), then written.
+"""The local path's staging of one frame: its changes to a local tensor, checked, nothing written.
 
 :func:`check_frames` bounds every frame of a manifest before anything is fetched;
-:func:`stage_frame` decodes one fetched frame into the changes it makes to a local tensor
-(positions, old and new words) and checks the result's Adler-32; nothing is written here.
+:func:`stage_frame` turns one fetched frame into the update it makes to a local tensor (with the
+steps of :mod:`deltastore.sync.apply`) and checks the frame's Adler-32 and changed count. The
+layout path stages received segments instead (:mod:`deltastore.sync.ranks`).
 """
 
 from __future__ import annotations
@@ -13,25 +14,24 @@ import numpy as np
 import torch
 
 from deltastore.errors import FrameError, IntegrityError, ManifestError
-from deltastore.format.checksum import adler32, apply_delta, delta_sums, shift_to_outer
-from deltastore.format.codecs import RAW, XOR_SPARSE, FrameDecoder, compress_bound, sparse_bound
-from deltastore.format.dtypes import itemsize, word_dtype
-from deltastore.format.manifest import Frame, Manifest, TensorEntry
-from deltastore.tensors.words import compact, gather, gather_range
+from deltastore.format.checksum import adler32
+from deltastore.format.codecs import FrameDecoder, compress_bound, content_bound
+from deltastore.format.dtypes import itemsize
+from deltastore.format.manifest import Manifest
+from deltastore.sync.apply import Sums, Update, contribution, stage_at, stage_run
+from deltastore.sync.fetch import FrameTask
+from deltastore.tensors.words import compact
 
 
-@dataclass
+@dataclass(frozen=True)
 class Staged:
-    """Changes of one frame: frame-relative positions (as compact gaps), old and new words,
-    Adler-32 sums."""
+    """One frame staged against its local tensor: the ``update`` (positions relative to the
+    frame's start, as :func:`~deltastore.tensors.words.compact` gaps), its Adler-32 contribution
+    ``sums`` to the whole tensor, and ``frame_adler``, the Adler-32 of the frame's new bytes
+    (checked against the manifest already)."""
 
-    name: str
-    start: int
-    positions: np.ndarray
-    old: np.ndarray
-    new: np.ndarray
-    da: int
-    db: int
+    update: Update
+    sums: Sums
     frame_adler: int
 
 
@@ -47,7 +47,7 @@ def check_frames(m: Manifest, max_frame_bytes: int) -> None:
                     f"version {m.version}: a frame of {name} covers {nbytes} bytes, "
                     f"over max_frame_bytes={max_frame_bytes}"
                 )
-            content = sparse_bound(f.stop - f.start, size) if f.codec == XOR_SPARSE else nbytes
+            content = content_bound(f.codec, f.stop - f.start, size)
             if f.length > compress_bound(content):
                 raise FrameError(
                     f"version {m.version}: a frame of {name} claims {f.length} stored bytes, "
@@ -56,56 +56,51 @@ def check_frames(m: Manifest, max_frame_bytes: int) -> None:
 
 
 def stage_frame(
-    local: torch.Tensor,
-    name: str,
-    entry: TensorEntry,
-    f: Frame,
-    data: bytes,
-    dec: FrameDecoder,
-    delta: bool,
+    local: torch.Tensor, task: FrameTask, data: bytes, dec: FrameDecoder, delta: bool
 ) -> Staged:
-    """Turn one fetched frame into changes against ``local`` (the tensor's flat words; reads
-    only): positions, old and new words, checked against the frame's Adler-32."""
+    """Turn one fetched frame (``data``, its stored bytes) into its update of ``local`` (the
+    tensor's flat words; reads only), checked against the frame's Adler-32: for sparse changes
+    ``parent_adler32`` updated with them (O(changed)), for dense runs the new bytes themselves.
+    In a ``delta``, the number of elements a dense frame changes must be its ``changed`` (an
+    anchor may land on any older state). Thread-safe for distinct decoders."""
+    name, entry, f = task.name, task.entry, task.frame
     size = itemsize(entry.dtype)
     n = f.stop - f.start
-    wdt = word_dtype(size)
-    if f.codec == XOR_SPARSE:
-        pos, masks = dec.sparse(data, n, size, f.changed)
-        old = gather(local, pos + f.start, wdt)
-        new = old ^ masks
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    frame_adler: int | None = 1  # None: from parent_adler32 and the sums (sparse changes)
+    for ch in dec.changes(f.codec, data, n, size, f.changed):
+        if ch.positions is not None:  # every position changes
+            old, new = stage_at(local, ch.positions + f.start, ch.words, xor=True)
+            parts.append((ch.positions, old, new))
+            frame_adler = None
+            continue
+        old, new = stage_run(local, f.start + ch.first, ch.words, xor=ch.xor)
+        if frame_adler is not None:
+            frame_adler = adler32(new, frame_adler)
+        idx = dec.nonzero(ch.words if ch.xor else ch.words ^ old)
+        parts.append((idx + ch.first, old[idx], new[idx]))
+    if len(parts) == 1:
+        pos, old, new = parts[0]
+    else:
+        pos, old, new = (np.concatenate(p) for p in zip(*parts, strict=True))
+    sums = contribution(pos, old, new, n * size)
+    if frame_adler is None:
         if f.parent_adler32 is None:
             raise ManifestError(f"{name}: xor-sparse frame without parent_adler32")
-        sums = delta_sums(pos, old, new, n * size)
-        frame_adler = apply_delta(f.parent_adler32, *sums)
-    else:
-        parts_pos, parts_old, parts_new = [], [], []
-        frame_adler = 1
-        for first, words in dec.chunks(data, n, size):
-            cur = gather_range(local, f.start + first, words.size, wdt)
-            if f.codec == RAW:
-                new_chunk, mask = words, words ^ cur
-            else:
-                new_chunk, mask = words ^ cur, words
-            frame_adler = adler32(new_chunk, frame_adler)
-            idx = dec.nonzero(mask)
-            parts_pos.append(idx + first)
-            parts_old.append(cur[idx])
-            parts_new.append(new_chunk[idx])
-        pos, old, new = (np.concatenate(p) for p in (parts_pos, parts_old, parts_new))
-        sums = delta_sums(pos, old, new, n * size)
-        if delta and pos.size != f.changed:  # an anchor may land on any older state
-            raise FrameError(
-                f"{name}[{f.start}:{f.stop}]: frame changes {pos.size} elements, "
-                f"the manifest says {f.changed}"
-            )
+        frame_adler = sums.applied_to(f.parent_adler32)
+    elif delta and pos.size != f.changed:  # an anchor may land on any older state
+        raise FrameError(
+            f"{name}[{f.start}:{f.stop}]: frame changes {pos.size} elements, "
+            f"the manifest says {f.changed}"
+        )
     if frame_adler != f.adler32:
         raise IntegrityError(
             f"{name}[{f.start}:{f.stop}]: decoded frame has Adler-32 {frame_adler:08x}, "
             f"the manifest says {f.adler32:08x}; the tensors are not at the frame's parent "
             "or the frame is damaged"
         )
-    da, db = shift_to_outer(*sums, n * size, f.start * size, entry.nbytes)
-    return Staged(name, f.start, compact(pos), old, new, da, db, frame_adler)
+    update = Update(name, f.start, compact(pos), old, new)
+    return Staged(update, sums.shift(n * size, f.start * size, entry.nbytes), frame_adler)
 
 
 __all__ = ["Staged", "check_frames", "stage_frame"]

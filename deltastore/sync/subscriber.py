@@ -33,17 +33,18 @@ from deltastore.errors import (
     WrongParentError,
 )
 from deltastore.format.chain import State
-from deltastore.format.checksum import adler32, apply_delta, combine
+from deltastore.format.checksum import adler32
 from deltastore.format.codecs import FrameDecoder
 from deltastore.format.dtypes import itemsize, word_dtype
-from deltastore.format.manifest import Frame, Manifest, TensorEntry
+from deltastore.format.manifest import Manifest
 from deltastore.format.ratios import SizeRatios
 from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys
 from deltastore.layout.boxes import Layout
 from deltastore.progress import ProgressFn
 from deltastore.store import Store, open_store
+from deltastore.sync.apply import Hooks, Sums, frame_totals, verify_tensors, write_phase, writes_of
 from deltastore.sync.chain import ChainReader
-from deltastore.sync.fetch import Fetcher, Timer
+from deltastore.sync.fetch import Fetcher, FrameTask, Timer, frame_tasks
 from deltastore.sync.group import Group
 from deltastore.sync.ranks import LayoutSync
 from deltastore.sync.stage import Staged, check_frames, stage_frame
@@ -57,8 +58,7 @@ from deltastore.tensors.tables import (
     table_changed,
     table_of_manifest,
 )
-from deltastore.tensors.words import scatter as _scatter  # a module global: tests patch it
-from deltastore.tensors.words import signed, write_all
+from deltastore.tensors.words import scatter_range
 
 log = logging.getLogger(__name__)
 
@@ -154,10 +154,8 @@ class Subscriber:
         self._max_frame_bytes = max_frame_bytes
         self._frames = Fetcher(self.store, max_workers, max_inflight_bytes)
         self._group = Group(group)
-        self._hooks = (pause, resume)
-        self._layout = (
-            None if layout is None and group is None else LayoutSync(layout, self._group, _scatter)
-        )
+        self._hooks = Hooks(pause, resume)
+        self._layout = None if layout is None and group is None else LayoutSync(layout, self._group)
         self._chain = ChainReader(self.store, keys=resolve_keys(signing_key))
 
     @property
@@ -338,37 +336,22 @@ class Subscriber:
             return self._bootstrap(m, timer, allocate=self._tensors is None or realloc), 0.0
         check_table(self._tensors, m, exact=False)
         self._check_parent(m)
-        tasks = [(name, entry, f) for name, entry in m.tensors.items() for f in entry.frames]
+        tasks = frame_tasks(m)
         delta = m.kind == "delta"
         staged = self._frames.run(
-            tasks, lambda t, data, dec: self._stage(*t, data, dec, delta), timer
+            tasks, lambda t, data, dec: self._stage(t, data, dec, delta), timer
         )
         t0 = time.perf_counter()
-        got: dict[str, int] = {}
-        for st, (_, entry, f) in zip(staged, tasks, strict=True):
-            if m.kind == "delta":  # incremental from the verified local state, O(changed)
-                got[st.name] = apply_delta(got.get(st.name, self._adler[st.name]), st.da, st.db)
-            else:  # a full version: every frame was checked directly; they must add up
-                size = itemsize(entry.dtype)
-                got[st.name] = combine(
-                    got.get(st.name, 1), st.frame_adler, (f.stop - f.start) * size
-                )
-        for name, entry in m.tensors.items():
-            value = got.get(name, self._adler[name] if m.kind == "delta" else 1)
-            if value != entry.adler32:
-                raise IntegrityError(
-                    f"version {m.version}: tensor {name} would have Adler-32 {value:08x} after the "
-                    f"update, the manifest says {entry.adler32:08x}; nothing was written"
-                )
+        if delta:  # incremental from the verified local state, O(changed)
+            sums: dict[str, Sums] = {}
+            for st in staged:
+                sums[st.update.local] = sums.get(st.update.local, Sums()) + st.sums
+            got = {n: sums.get(n, Sums()).applied_to(self._adler[n]) for n in m.tensors}
+        else:  # a full version: every frame was checked directly; they must add up
+            got = frame_totals(m, tasks, [st.frame_adler for st in staged])
+        verify_tensors(m, got, "nothing was written")
         t1 = time.perf_counter()
-        pause, resume = self._hooks
-        if pause is not None:
-            pause()
-        try:
-            self._scatter(staged)
-        finally:
-            if resume is not None:
-                resume()
+        write_phase(writes_of(self._tensors, (st.update for st in staged)), self._hooks)
         self._set_state(m)
         return t1 - t0, time.perf_counter() - t1
 
@@ -420,27 +403,12 @@ class Subscriber:
 
     # --- pipeline -----------------------------------------------------------------------
 
-    def _stage(
-        self, name: str, entry: TensorEntry, f: Frame, data: bytes, dec: FrameDecoder, delta: bool
-    ) -> Staged:
-        """Turn one fetched frame into changes against the local tensor (reads only)."""
+    def _stage(self, task: FrameTask, data: bytes, dec: FrameDecoder, delta: bool) -> Staged:
+        """Turn one fetched frame into changes against the local tensor (reads only; called on
+        the fetcher's worker threads)."""
         if self._tensors is None:  # pragma: no cover - guarded by _apply
             raise ChainError("no tensors")
-        return stage_frame(flat_words(self._tensors[name]), name, entry, f, data, dec, delta)
-
-    def _scatter(self, staged: list[Staged]) -> None:
-        """Write the staged changes; on any error restore the old words and re-raise."""
-        if self._tensors is None:  # pragma: no cover - guarded by _apply
-            return
-        tensors = self._tensors
-        write_all(
-            [
-                (flat_words(tensors[s.name])[s.start :], s.positions, s.old, s.new)
-                for s in staged
-                if s.positions.size
-            ],
-            _scatter,
-        )
+        return stage_frame(flat_words(self._tensors[task.name]), task, data, dec, delta)
 
     def _bootstrap(self, m: Manifest, timer: Timer, *, allocate: bool) -> float:
         """Fill tensors from an anchor: into new tensors (``allocate``; they replace the held
@@ -461,37 +429,34 @@ class Subscriber:
                     raise TensorMismatchError(
                         f"cannot allocate {name} {entry.shape}: {exc}"
                     ) from None
-        tasks = [(name, entry, f) for name, entry in m.tensors.items() for f in entry.frames]
+        tasks = frame_tasks(m)
 
-        def fill(task: tuple[str, TensorEntry, Frame], data: bytes, dec: FrameDecoder) -> int:
-            name, entry, f = task
-            dest = flat_words(target[name])
-            size = itemsize(entry.dtype)
+        def fill(task: FrameTask, data: bytes, dec: FrameDecoder) -> int:
+            f = task.frame
+            dest = flat_words(target[task.name])
+            wdt = word_dtype(itemsize(task.entry.dtype))
             if dest.device.type == "cpu":
-                out = dest.numpy().view(word_dtype(size))[f.start : f.stop]
+                out = dest.numpy().view(wdt)[f.start : f.stop]
             else:
-                out = np.empty(f.stop - f.start, dtype=word_dtype(size))
-            dec.into(data, out)
+                out = np.empty(f.stop - f.start, dtype=wdt)
+            dec.decode_into(f.codec, data, out)
             got = adler32(out)
             if got != f.adler32:
                 raise IntegrityError(
-                    f"{name}[{f.start}:{f.stop}]: anchor frame decodes to Adler-32 {got:08x}, "
-                    f"the manifest says {f.adler32:08x}"
+                    f"{task.name}[{f.start}:{f.stop}]: anchor frame decodes to Adler-32 "
+                    f"{got:08x}, the manifest says {f.adler32:08x}"
                 )
             if dest.device.type != "cpu":
-                dest[f.start : f.stop].copy_(torch.from_numpy(out.view(signed(size))))
+                scatter_range(dest, f.start, out)
             return got
 
         results = self._frames.run(tasks, fill, timer)
         t0 = time.perf_counter()
-        totals: dict[str, int] = {}
-        for (name, entry, f), got in zip(tasks, results, strict=True):
-            totals[name] = combine(
-                totals.get(name, 1), got, (f.stop - f.start) * itemsize(entry.dtype)
-            )
-        for name, entry in m.tensors.items():
-            if totals.get(name, 1) != entry.adler32:
-                raise IntegrityError(f"{name}: anchor {m.version} does not add up to its Adler-32")
+        verify_tensors(
+            m,
+            frame_totals(m, tasks, results),
+            "its frames do not add up to the tensor: the manifest is damaged",
+        )
         self._tensors = target
         self._set_state(m)
         return time.perf_counter() - t0

@@ -6,7 +6,8 @@ thread-safe for writes to the same tensor.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -14,10 +15,17 @@ import torch
 
 from deltastore.format.dtypes import signed_word_dtype
 
-#: One write: words of a tensor (1-D), positions in it (int32/int64, or gaps: see
-#: :func:`positions`), old words, new words.
-Write = tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]
-Scatter = Callable[[torch.Tensor, np.ndarray, np.ndarray], None]
+
+@dataclass(frozen=True)
+class Write:
+    """One write of a write phase: ``local``, the 1-D words of a tensor (CPU or device);
+    ``positions`` in it, ascending (int32/int64, or :func:`compact` gaps); the ``old`` and
+    ``new`` unsigned words there (same length)."""
+
+    local: torch.Tensor
+    positions: np.ndarray
+    old: np.ndarray
+    new: np.ndarray
 
 
 def signed(size: int) -> np.dtype[Any]:
@@ -75,24 +83,25 @@ def expand(stored: np.ndarray) -> np.ndarray:
     return stored
 
 
-def write_all(writes: Sequence[Write], scatter_fn: Scatter = scatter) -> None:
-    """Scatter each write's new words, all or nothing: if a write fails, every write started
-    (the failing one included) gets its old words back before the error is re-raised.
+def write_all(writes: Sequence[Write]) -> None:
+    """Scatter each write's new words (:func:`scatter`), in order, all or nothing: if a write
+    fails, every write started (the failing one included) gets its old words back before the
+    error is re-raised.
 
     Positions given as :func:`compact` gaps are expanded one write at a time. Restoring writes
     the old words, so it is idempotent: a write that failed halfway is undone like a complete
     one. The pause is pure scatters."""
     done = 0
     try:
-        for local, pos, _, new in writes:
+        for w in writes:
             done += 1  # before the write: one that fails halfway is undone too
-            scatter_fn(local, expand(pos), new)
+            scatter(w.local, expand(w.positions), w.new)
     except BaseException:
-        restore_all(writes[:done], scatter_fn)
+        restore_all(writes[:done])
         raise
 
 
-def restore_all(writes: Sequence[Write], scatter_fn: Scatter = scatter) -> None:
-    """Put the old words of ``writes`` back, newest first."""
-    for local, pos, old, _ in reversed(writes):
-        scatter_fn(local, expand(pos), old)
+def restore_all(writes: Sequence[Write]) -> None:
+    """Put the old words of ``writes`` back (:func:`scatter`), newest first."""
+    for w in reversed(writes):
+        scatter(w.local, expand(w.positions), w.old)

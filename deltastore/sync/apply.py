@@ -1,0 +1,243 @@
+"""The apply pipeline of a version, shared by the local and the layout paths: stage -> verify ->
+write.
+
+Both paths turn decoded changes (:class:`~deltastore.format.codecs.Changes`, from the one codec
+dispatch :meth:`~deltastore.format.codecs.FrameDecoder.changes`) into updates of local tensors,
+verify every tensor against the manifest, and only then write, all or nothing:
+
+1. *Stage* (reads only, O(changed)): :func:`stage_at` / :func:`stage_run` gather the old words
+   where changes land and compute the new ones (the new words, or old XOR mask);
+   :func:`contribution` turns changed words into their Adler-32 contribution (:class:`Sums`),
+   which :meth:`Sums.shift` moves from a frame to its whole tensor and :meth:`Sums.weighted`
+   weighs per copy of a replicated element. :class:`Update` records what a write will change.
+2. *Verify*: :class:`Totals` adds the contributions per tensor (one vector, so that ranks add
+   theirs with one all-reduce); :func:`verify_tensors` compares each tensor's Adler-32 after the
+   update with the manifest and raises one :class:`~deltastore.errors.IntegrityError`.
+3. *Write*: :func:`write_phase` calls the pause hook, scatters every update all or nothing
+   (:func:`deltastore.tensors.words.write_all`: a scatter that fails, even halfway, rolls back
+   every write started), lets the layout path agree with the other ranks, and calls the resume
+   hook whatever happens.
+
+The local path (:func:`deltastore.sync.stage.stage_frame`, driven by
+:class:`~deltastore.sync.subscriber.Subscriber`) stages per frame on worker threads and checks
+each frame's Adler-32 too; the layout path (:class:`deltastore.sync.ranks.LayoutSync`) routes
+and exchanges changes between ranks first, stages per received segment, and agrees across
+ranks before and after writing.
+
+Adler-32 sums are those of :mod:`deltastore.format.checksum` (mod 65521, bytes of little-endian
+words). Staging and verification functions are pure and thread-safe; the write phase runs on
+one thread, with nothing else touching the tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deltastore.errors import IntegrityError, RankError
+from deltastore.format.checksum import MOD, apply_delta, combine, delta_sums, shift_to_outer
+from deltastore.format.dtypes import itemsize
+from deltastore.format.manifest import Manifest
+from deltastore.sync.fetch import FrameTask
+from deltastore.tensors import words
+from deltastore.tensors.dtypes import flat_words
+from deltastore.tensors.words import Write
+
+Hook = Callable[[], None] | None
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """Called around the write phase: ``pause`` before the first write (e.g. to pause an
+    engine's generation), ``resume`` after the last one, also when writing failed."""
+
+    pause: Hook = None
+    resume: Hook = None
+
+
+@dataclass(frozen=True)
+class Sums:
+    """The Adler-32 contribution ``(da, db)`` (each mod 65521) of changed bytes of a buffer:
+    the checksum after the change is :meth:`applied_to` the one before it."""
+
+    da: int = 0
+    db: int = 0
+
+    @classmethod
+    def from_zeros(cls, adler: int, nbytes: int) -> Sums:
+        """The sums that take ``nbytes`` zero bytes to bytes whose Adler-32 is ``adler``."""
+        return cls(((adler & 0xFFFF) - 1) % MOD, ((adler >> 16) - nbytes) % MOD)
+
+    def __add__(self, other: Sums) -> Sums:
+        return Sums((self.da + other.da) % MOD, (self.db + other.db) % MOD)
+
+    def shift(self, inner_bytes: int, inner_offset: int, outer_bytes: int) -> Sums:
+        """The sums of a frame of ``inner_bytes`` bytes starting ``inner_offset`` bytes into an
+        ``outer_bytes``-byte tensor, as sums of the tensor
+        (:func:`~deltastore.format.checksum.shift_to_outer`)."""
+        return Sums(*shift_to_outer(self.da, self.db, inner_bytes, inner_offset, outer_bytes))
+
+    def weighted(self, weight: int) -> Sums:
+        """The sums times ``weight`` (mod 65521; the inverse of an element's copy count)."""
+        return Sums(self.da * weight % MOD, self.db * weight % MOD)
+
+    def applied_to(self, adler: int) -> int:
+        """The Adler-32 of the buffer after the change, from ``adler`` before it."""
+        return apply_delta(adler, self.da, self.db)
+
+
+@dataclass(frozen=True)
+class Update:
+    """Staged words of one local tensor (read, not yet written).
+
+    ``local``: the local tensor's name; ``positions``: ascending flat element indices relative
+    to element ``start`` of the tensor (int32/int64, or :func:`~deltastore.tensors.words.compact`
+    gaps); ``old`` / ``new``: the unsigned words there now and after the write."""
+
+    local: str
+    start: int
+    positions: np.ndarray
+    old: np.ndarray
+    new: np.ndarray
+
+
+def stage_at(
+    local: torch.Tensor, at: np.ndarray, values: np.ndarray, *, xor: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(old, new)`` words at the flat positions ``at`` of ``local`` (a tensor's 1-D words):
+    ``values`` (unsigned words, one per position) are the new words, or XOR masks (``xor``)."""
+    old = words.gather(local, at, values.dtype)
+    return old, (old ^ values if xor else values)
+
+
+def stage_run(
+    local: torch.Tensor, start: int, values: np.ndarray, *, xor: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(old, new)`` words of the run ``[start, start + values.size)`` of ``local``, as
+    :func:`stage_at` (one contiguous read)."""
+    old = words.gather_range(local, start, values.size, values.dtype)
+    return old, (old ^ values if xor else values)
+
+
+def contribution(
+    positions: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    nbytes: int,
+    weights: np.ndarray | None = None,
+) -> Sums:
+    """Adler-32 contribution of words at element ``positions`` (int, ascending) of an
+    ``nbytes``-byte buffer changing from ``old`` to ``new``, each weighted by ``weights`` (int64
+    in ``[0, 65521)``) if given (:func:`~deltastore.format.checksum.delta_sums`, O(changed))."""
+    return Sums(*delta_sums(positions, old, new, nbytes, weights))
+
+
+class Totals:
+    """Adler-32 contributions per tensor, added up: ``vector[2 i]`` / ``vector[2 i + 1]`` hold
+    tensor ``i``'s dA / dB (int64, reduced mod 65521 when read), so that the contributions of
+    several ranks add up with one all-reduce of the vector. Not thread-safe."""
+
+    def __init__(self, tensors: int) -> None:
+        self.vector = np.zeros(2 * tensors, dtype=np.int64)
+
+    def add(self, tensor: int, sums: Sums) -> None:
+        self.vector[2 * tensor] += sums.da
+        self.vector[2 * tensor + 1] += sums.db
+
+    def adler(self, tensor: int, base: int, vector: np.ndarray | None = None) -> int:
+        """Tensor ``tensor``'s Adler-32 after its changes, from ``base`` before them; from
+        ``vector`` (this layout, e.g. all-reduced over ranks) instead of this one's if given."""
+        v = self.vector if vector is None else vector
+        return Sums(int(v[2 * tensor]) % MOD, int(v[2 * tensor + 1]) % MOD).applied_to(base)
+
+
+def frame_totals(m: Manifest, tasks: Sequence[FrameTask], adlers: Sequence[int]) -> dict[str, int]:
+    """Each tensor's Adler-32 combined, in order, from the Adler-32 ``adlers[i]`` of the frame
+    of ``tasks[i]`` (a version's frames in tensor and element order, covering each tensor: an
+    anchor); 1 (no bytes) for a tensor without frames."""
+    got = dict.fromkeys(m.tensors, 1)
+    for task, value in zip(tasks, adlers, strict=True):
+        f = task.frame
+        nbytes = (f.stop - f.start) * itemsize(task.entry.dtype)
+        got[task.name] = combine(got[task.name], value, nbytes)
+    return got
+
+
+def verify_tensors(m: Manifest, got: Mapping[str, int], outcome: str) -> None:
+    """Raise :class:`~deltastore.errors.IntegrityError` naming the tensors whose Adler-32 after
+    the update (``got``, per tensor name) is not the one ``m`` gives; ``outcome`` ends the
+    message (what the failure left behind, e.g. "nothing was written")."""
+    bad = [
+        f"{name} ({value:08x}, manifest {m.tensors[name].adler32:08x})"
+        for name, value in got.items()
+        if value != m.tensors[name].adler32
+    ]
+    if bad:
+        raise IntegrityError(
+            f"version {m.version}: {len(bad)} tensor(s) would not have the manifest's Adler-32 "
+            f"after the update: {', '.join(bad[:4])}; {outcome}"
+        )
+
+
+def writes_of(tensors: Mapping[str, torch.Tensor], updates: Iterable[Update]) -> list[Write]:
+    """The writes of ``updates`` into the local ``tensors`` (by name; contiguous); updates that
+    change nothing are left out."""
+    return [
+        Write(flat_words(tensors[u.local])[u.start :], u.positions, u.old, u.new)
+        for u in updates
+        if u.positions.size
+    ]
+
+
+def write_phase(
+    writes: Sequence[Write],
+    hooks: Hooks,
+    agree: Callable[[bool], Sequence[int]] | None = None,
+) -> None:
+    """The write phase: ``hooks.pause``; every write, all or nothing
+    (:func:`deltastore.tensors.words.write_all`); ``hooks.resume``, also on error.
+
+    ``agree`` (the layout path; a collective every rank enters): called after this rank's writes
+    with whether they failed (then already rolled back), returns the ranks that failed. If any
+    did, this rank raises its own error, or restores its old words and raises
+    :class:`~deltastore.errors.RankError`: every rank ends at the old version or all at the new
+    one. Without ``agree`` a failed write is rolled back and its error re-raised."""
+    if hooks.pause is not None:
+        hooks.pause()
+    try:
+        error: Exception | None = None
+        try:
+            words.write_all(writes)
+        except Exception as exc:
+            if agree is None:
+                raise
+            error = exc
+        failed = agree(error is not None) if agree is not None else ()
+        if error is not None:
+            raise error
+        if failed:
+            words.restore_all(writes)
+            raise RankError(
+                f"rank(s) {list(failed)} failed to write; every rank restored its tensors"
+            )
+    finally:
+        if hooks.resume is not None:
+            hooks.resume()
+
+
+__all__ = [
+    "Hooks",
+    "Sums",
+    "Totals",
+    "Update",
+    "contribution",
+    "frame_totals",
+    "stage_at",
+    "stage_run",
+    "verify_tensors",
+    "write_phase",
+    "writes_of",
+]
