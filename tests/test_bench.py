@@ -1,20 +1,45 @@
-"""The benchmark (issue 6): a smoke run of ``deltastore bench --size small`` through the local
-store with the fewest versions, checked for well-formed output and bit-wise agreement of
-every system with the workload. No timing is asserted."""
+"""The benchmark (issues 6, 13): a smoke run of ``deltastore bench --size small`` through the
+local store with the fewest versions, checked for well-formed output, bit-wise agreement of
+every system (and every dense load method) with the workload, the strongest dense baseline in
+every ratio, the floors and the bar; the dense loads and the floors on their own; the
+performance page generated from the results JSON. No timing is asserted."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
+import mmap
 from pathlib import Path
 
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from deltastore.bench import SCHEMA_VERSION, SYSTEMS, BenchResult, Workload, WorkloadSpec
-from deltastore.bench.ops import Differ, RssMeter, flip_positions
+from deltastore.bench import (
+    SCHEMA_VERSION,
+    SYSTEMS,
+    BenchResult,
+    Workload,
+    WorkloadSpec,
+    analysis,
+    floors,
+    report,
+)
+from deltastore.bench.dense import (
+    LOAD_FILE,
+    LOAD_FILE_ONE_THREAD,
+    RANGED,
+    SAFE_OPEN,
+    WHOLE_GET,
+    DenseReceiver,
+    DenseSender,
+    parse_layout,
+)
+from deltastore.bench.ops import Differ, RssMeter, digest, flip_positions
+from deltastore.bench.schema import SyncSample, SyncTimes
+from deltastore.publish.publisher import Publisher
+from deltastore.store import LocalStore
 from deltastore_cli import app
 from deltastore_cli.common import EXIT_ERROR
 
@@ -37,16 +62,17 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[BenchResult, str, Pat
 
 def test_json_is_well_formed(run: tuple[BenchResult, str, Path]) -> None:
     res, _, _ = run
-    assert res.schema_version == SCHEMA_VERSION
+    assert res.schema_version == SCHEMA_VERSION == 2
     assert BenchResult.model_validate(json.loads(res.model_dump_json())) == res
     assert res.workload.size == "small" and res.workload.versions == VERSIONS
     assert res.machine.cores >= 1 and res.machine.memory_bytes > 0
     assert [s.store for s in res.stores] == ["local"] and not res.skipped
     (store,) = res.stores
     assert list(store.systems) == list(SYSTEMS)
+    assert "dense-naive" in SYSTEMS
     dense_bytes = res.workload.dense_bytes
     for name, sr in store.systems.items():
-        assert sr.system == name
+        assert sr.system == name and sr.publish_method and sr.method
         assert [s.version for s in sr.publish] == list(range(1, VERSIONS + 1))
         assert [s.version for s in sr.sync] == list(range(1, VERSIONS + 1))
         for p, changed in zip(sr.publish, res.workload.changed_elements, strict=True):
@@ -59,28 +85,96 @@ def test_json_is_well_formed(run: tuple[BenchResult, str, Path]) -> None:
         m = sr.median
         assert m.publisher_rss_extra_fraction == m.publisher_rss_extra_bytes / dense_bytes
         assert sr.publisher_rss_extra_max_bytes >= m.publisher_rss_extra_bytes
+        if name != "dense":
+            assert sr.methods == {} and all(s.method is None for s in sr.sync)
     assert store.systems["dense"].median.publish.payload_bytes > dense_bytes  # + header
+    assert store.anchor_bytes is not None and 0 < store.anchor_bytes < dense_bytes
+    assert store.anchor_fraction == store.anchor_bytes / dense_bytes
+
+
+def test_dense_is_the_fastest_of_its_methods(run: tuple[BenchResult, str, Path]) -> None:
+    res, _, _ = run
+    (store,) = res.stores
+    dense = store.systems["dense"]
+    assert list(dense.methods) == [LOAD_FILE, SAFE_OPEN, LOAD_FILE_ONE_THREAD]
+    for name, m in dense.methods.items():
+        assert m.method == name and m.exact
+        assert [s.version for s in m.sync] == list(range(1, VERSIONS + 1))
+        assert all(s.method == name for s in m.sync)
+        assert m.median.total_s == pytest.approx(
+            float(np.median([s.times.total_s for s in m.sync]))
+        )
+    fastest = min(dense.methods.values(), key=lambda m: m.median.total_s)
+    assert dense.method == fastest.method
+    assert dense.sync == fastest.sync and dense.median.sync == fastest.median
+    ds = store.systems["deltastore"].median
+    assert store.ratios["dense"].sync == pytest.approx(fastest.median.total_s / ds.sync.total_s)
 
 
 def test_ratios_follow_from_the_medians(run: tuple[BenchResult, str, Path]) -> None:
     res, _, _ = run
     (store,) = res.stores
     ds = store.systems["deltastore"].median
-    assert set(store.ratios) == {"dense", "coo", "xor-dense"}
+    assert set(store.ratios) == {"dense", "coo", "xor-dense"}  # never dense-naive
     for base, r in store.ratios.items():
         b = store.systems[base].median
         assert r.payload == pytest.approx(b.publish.payload_bytes / ds.publish.payload_bytes)
         assert r.publish == pytest.approx(b.publish.total_s / ds.publish.total_s)
         assert r.sync == pytest.approx(b.sync.total_s / ds.sync.total_s)
     assert len(store.detect_bound_s) == VERSIONS
-    assert store.detect_bound_median_s == pytest.approx(float(np.median(store.detect_bound_s)))
-    assert store.publish_bound_ratio == pytest.approx(
-        ds.publish.total_s / store.detect_bound_median_s
-    )
+    bound = store.detect_bound_median_s
+    assert bound is not None and bound == pytest.approx(float(np.median(store.detect_bound_s)))
+    assert store.publish_bound_ratio == pytest.approx(ds.publish.total_s / bound)
     assert store.pause_fraction == pytest.approx(ds.sync.pause_s / ds.sync.total_s)
+
+
+def test_floors_are_measured_on_the_same_changes(run: tuple[BenchResult, str, Path]) -> None:
+    res, _, _ = run
+    (store,) = res.stores
+    fl = store.floors
+    assert fl is not None
+    published = store.systems["deltastore"].publish
+    assert [f.version for f in fl.samples] == list(range(1, VERSIONS + 1))
+    for f, p in zip(fl.samples, published, strict=True):
+        assert f.changed_elements == p.changed_elements
+        assert f.payload_bytes == p.times.payload_bytes  # every stored frame decompressed
+        assert f.frames > 0 and min(f.decompress_s, f.gather_s, f.scatter_s) > 0
+        parts = f.decompress_s + f.gather_s + f.checksum_s + f.scatter_s
+        assert f.receiver_floor_s == pytest.approx(parts)
+        assert f.scatter_floor_s > 0
+    ds = store.systems["deltastore"].median.sync
+    receiver = float(np.median([f.receiver_floor_s for f in fl.samples]))
+    scatter = float(np.median([f.scatter_floor_s for f in fl.samples]))
+    assert fl.receiver_floor_median_s == pytest.approx(receiver)
+    assert fl.sync_floor_ratio == pytest.approx(ds.total_s / receiver)
+    assert fl.pause_floor_ratio == pytest.approx(ds.pause_s / scatter)
+
+
+def test_bar_checks(run: tuple[BenchResult, str, Path]) -> None:
+    res, _, _ = run
+    (store,) = res.stores
+    assert store.floors is not None
     bars = {(b.name, b.store): b for b in res.bars}
+    expect = {
+        ("payload bytes per changed element", None): ("<=", 1.30),
+        ("payload smaller than coo", None): (">", 1.0),
+        ("payload smaller than xor-dense", None): (">", 1.0),
+        ("anchor size", None): ("<=", 0.70),
+        ("publish vs detect lower bound", "local"): ("<=", 1.5),
+        ("sync faster than dense", "local"): (">=", 2.0),
+        ("sync vs receiver floor", "local"): ("<=", 2.0),
+        ("subscriber extra peak RSS", "local"): ("<=", 0.05),
+        ("pause fraction", "local"): ("<=", 0.20),
+        ("pause vs scatter floor", "local"): ("<=", 1.5),
+        ("scaling with model size", "local"): ("<=", 1.3),
+    }
+    assert {k: (b.op, b.threshold) for k, b in bars.items()} == expect
     assert bars["payload smaller than coo", None].measured == store.ratios["coo"].payload
-    assert bars["sync faster than dense", "local"].threshold == 3.0
+    assert bars["sync faster than dense", "local"].measured == store.ratios["dense"].sync
+    assert store.systems["dense"].method in bars["sync faster than dense", "local"].what
+    assert bars["anchor size", None].measured == store.anchor_fraction
+    assert bars["sync vs receiver floor", "local"].measured == store.floors.sync_floor_ratio
+    assert bars["pause vs scatter floor", "local"].measured == store.floors.pause_floor_ratio
     for b in res.bars:
         assert b.measured is not None
         assert (
@@ -102,6 +196,8 @@ def test_every_system_is_bit_exact(run: tuple[BenchResult, str, Path]) -> None:
     for sr in res.stores[0].systems.values():
         assert sr.exact
         assert [s.digest for s in sr.sync] == res.workload.digests
+        for m in sr.methods.values():  # each dense method loaded every word by itself
+            assert [s.digest for s in m.sync] == res.workload.digests
     assert res.scaling is not None and res.scaling.target.exact
     assert res.scaling.changed_elements > 0 and len(res.scaling.target.sync_s) > 0
     assert res.exact
@@ -113,6 +209,144 @@ def test_markdown_report(run: tuple[BenchResult, str, Path]) -> None:
         assert f"| {system} |" in text
     assert "### The bar" in text and "All receivers bit-exact." in text
     assert text.count("| pass |") + text.count("| FAIL |") == len(res.bars)
+    dense = res.stores[0].systems["dense"]
+    assert f"Strongest dense: `{dense.method}`" in text
+    assert f"**{dense.method}**" in text  # marked among the methods timed
+    assert "| pause: one bare scatter |" in text
+
+
+def test_performance_doc_is_generated_from_the_json(
+    run: tuple[BenchResult, str, Path], tmp_path: Path
+) -> None:
+    res, _, _ = run
+    source = tmp_path / "benchmarks" / "results" / "run.json"
+    source.parent.mkdir(parents=True)
+    source.write_text(res.model_dump_json(indent=1))
+    doc = tmp_path / "docs" / "performance.md"
+    doc.parent.mkdir()
+    assert report.main([str(source), "--performance-doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("# Performance\n")
+    assert "Generated by `python -m deltastore.bench.report" in text
+    assert "[run.json](../benchmarks/results/run.json)" in text
+    assert res.machine.cpu_model in text and res.created in text
+    for system in SYSTEMS:
+        assert f"| {system} |" in text
+    dense = res.stores[0].systems["dense"]
+    assert f"Strongest dense: `{dense.method}`" in text
+    for b in res.bars:
+        assert f"| {b.name} | {b.store or '-'} |" in text
+    assert text.count("| pass |") + text.count("| FAIL |") == len(res.bars)
+    failing = [b for b in res.bars if not b.passed]
+    assert len(
+        [
+            line
+            for line in text.split("## What is left")[1].split("## ")[0].splitlines()
+            if line.startswith("- **")
+        ]
+    ) == len(failing)
+    assert "## Measured limits and pitfalls" in text
+    assert report.performance_doc(res, source, doc) == text
+
+
+def test_report_refuses_another_schema(
+    run: tuple[BenchResult, str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    res, _, _ = run
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({**json.loads(res.model_dump_json()), "schema_version": 1}))
+    assert report.main([str(old), "--performance-doc", str(tmp_path / "p.md")]) == 1
+    assert f"schema version {SCHEMA_VERSION}" in capsys.readouterr().err
+    assert not (tmp_path / "p.md").exists()
+
+
+def _small(cache: Path) -> Workload:
+    return Workload.load(cache / WorkloadSpec(size="small", versions=VERSIONS, warmup=0).key)
+
+
+def test_dense_object_store_loads(run: tuple[BenchResult, str, Path], tmp_path: Path) -> None:
+    """Ranged GETs that split words and tensors, a header longer than the slack (one more
+    GET), and a whole-object GET: each loads every word, from a zeroed buffer."""
+    _, _, cache = run
+    wl = _small(cache)
+    store = LocalStore(tmp_path / "store")
+    DenseSender(store, wl).publish(1, wl.read(1))
+    flat = np.zeros(wl.numel, dtype=np.int16)
+    recv = DenseReceiver(
+        store, wl, flat, methods=(RANGED, WHOLE_GET), range_size=(1 << 20) + 7, header_slack=3
+    )
+    recv.start()
+    for method in (RANGED, WHOLE_GET):
+        flat.fill(0)
+        times = recv.sync(1, method)
+        assert digest([flat]) == wl.index.digests[1], method
+        assert times.total_s > 0 and times.fetch_s > 0
+    with pytest.raises(ValueError, match="times"):
+        recv.sync(1, LOAD_FILE)
+
+
+def test_dense_header_must_match_the_model(
+    run: tuple[BenchResult, str, Path], tmp_path: Path
+) -> None:
+    _, _, cache = run
+    wl = _small(cache)
+    store = LocalStore(tmp_path / "store")
+    DenseSender(store, wl).publish(1, wl.read(1))
+    blob = store.get("v000001.bin")
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + n])
+    layout = parse_layout(blob, wl)
+    assert layout.size == len(blob) and len(layout.starts) == len(wl.index.tensors)
+    name = wl.index.tensors[0].name
+    for bad in (
+        {**header, name: {**header[name], "dtype": "F16"}},
+        {k: v for k, v in header.items() if k != name},
+    ):
+        raw = json.dumps(bad).encode()
+        with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+            parse_layout(len(raw).to_bytes(8, "little") + raw, wl)
+    with pytest.raises(ValueError, match="header"):
+        parse_layout(blob[:100], wl)
+
+
+def test_floors_scatter_the_versions_changes(
+    run: tuple[BenchResult, str, Path], tmp_path: Path
+) -> None:
+    """The floor pass gathers, checksums and scatters exactly the version's changes: tensors
+    at the parent version end at the version, and the frames timed are the version's."""
+    _, _, cache = run
+    wl = _small(cache)
+    store = LocalStore(tmp_path / "store")
+    pub = Publisher(store)
+    pub.publish(wl.tensors(wl.read(0)), version=0)
+    rep = pub.publish(wl.tensors(wl.read(1)), version=1)
+    flat = wl.read(0)
+    sample = floors.measure(store, wl, flat, 1)
+    assert digest([flat]) == wl.index.digests[1]
+    assert sample.changed_elements == wl.index.changed[1] == rep.changed_elements
+    assert sample.payload_bytes == rep.payload_bytes and sample.frames == rep.frames
+    assert sample.receiver_floor_s == pytest.approx(
+        sample.decompress_s + sample.gather_s + sample.checksum_s + sample.scatter_s
+    )
+
+
+def test_fastest_method_by_median() -> None:
+    def sample(version: int, method: str | None, total: float) -> SyncSample:
+        t = SyncTimes(
+            fetch_s=0, decode_s=0, verify_s=0, apply_s=total, pause_s=total, total_s=total
+        )
+        return SyncSample(
+            version=version, times=t, rss_extra_bytes=0, digest="0", exact=True, method=method
+        )
+
+    # "a" has the fastest single sync, "b" the lower median.
+    samples = [sample(1, "a", 0.1), sample(1, "b", 0.3), sample(2, "a", 0.9)]
+    samples += [sample(2, "b", 0.4), sample(3, "a", 0.8), sample(3, "b", 0.2)]
+    methods = analysis.method_results(samples)
+    assert list(methods) == ["a", "b"]
+    assert methods["a"].median.total_s == 0.8 and methods["b"].median.total_s == 0.3
+    assert analysis.fastest(methods) == "b"
+    assert analysis.method_results([sample(1, None, 0.1)]) == {}
 
 
 def test_workload_is_cached_and_reproducible(run: tuple[BenchResult, str, Path]) -> None:
@@ -157,7 +391,8 @@ def test_flip_positions_are_distinct_and_seeded() -> None:
 
 
 def test_rss_meter_sees_an_allocation() -> None:
-    with RssMeter() as rss:
-        block = np.ones(64 << 20, dtype=np.uint8)
-        del block
+    # Fresh anonymous pages, touched: after earlier tests freed large buffers, malloc may
+    # hand a 64 MiB array memory that is still resident, which no meter could see.
+    with RssMeter() as rss, mmap.mmap(-1, 64 << 20) as block:
+        np.frombuffer(block, dtype=np.uint8).fill(1)
     assert rss.extra_bytes >= 32 << 20

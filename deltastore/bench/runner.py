@@ -27,11 +27,19 @@ import torch
 import zstandard
 
 from deltastore._version import __version__
-from deltastore.bench.analysis import bar_checks, baseline_ratios, medians
+from deltastore.bench.analysis import (
+    bar_checks,
+    baseline_ratios,
+    fastest,
+    floors,
+    medians,
+    method_results,
+)
 from deltastore.bench.ops import cpu_model, memory_bytes
 from deltastore.bench.schema import (
     SYSTEMS,
     BenchResult,
+    FloorSample,
     Machine,
     Medians,
     ScalingResult,
@@ -195,14 +203,27 @@ def _run_system(
     )
     t1 = time.perf_counter()
     sub: SyncRun = spawn(
-        Task("sync", system, url, folder, opts, flips=flips, expect=tuple(pub.flip_digests))
+        Task(
+            "sync",
+            system,
+            url,
+            folder,
+            opts,
+            flips=flips,
+            expect=tuple(pub.flip_digests),
+            floors=system == "deltastore",
+        )
     )
     t2 = time.perf_counter()
     _clear(url, opts)
     pub_s = ", ".join(f"{s.times.total_s:.2f}" for s in pub.samples)
-    sync_s = ", ".join(f"{s.times.total_s:.2f}" for s in sub.samples)
+    sync_s = ", ".join(
+        f"{s.times.total_s:.2f}" + (f" ({s.method})" if s.method else "") for s in sub.samples
+    )
+    floor_s = ", ".join(f"{f.receiver_floor_s:.3f}/{f.scatter_floor_s:.3f}" for f in sub.floors)
     log(
         f"  [{store.label}] {wl.index.size} {system}: publish {pub_s} s, sync {sync_s} s"
+        + (f", floors (receiver/scatter) {floor_s} s" if floor_s else "")
         + (f", scaling syncs {', '.join(f'{t:.3f}' for t in sub.flip_sync_s)} s" if reps else "")
         + f" (workers {t1 - t0:.0f} + {t2 - t1:.0f} s, "
         + f"setup {pub.setup_s:.0f} + {sub.setup_s:.0f} s)"
@@ -211,17 +232,25 @@ def _run_system(
     return pub, sub
 
 
-def _system_result(system: str, pub: PublishRun, sub: SyncRun, med: Medians) -> SystemResult:
+def _system_result(system: str, pub: PublishRun, sub: SyncRun, dense_bytes: int) -> SystemResult:
+    """The system's result; for a receiver with several methods, ``sync`` and the medians
+    are the fastest method's (by median sync time), every method is in ``methods``."""
+    methods = method_results(sub.samples)
+    method = fastest(methods) if methods else sub.method
+    sync = methods[method].sync if methods else sub.samples
     return SystemResult(
         system=system,  # type: ignore[arg-type]
         publisher_setup_s=pub.setup_s,
         subscriber_setup_s=sub.setup_s,
         publish=pub.samples,
-        sync=sub.samples,
-        median=med,
+        sync=sync,
+        median=medians(pub.samples, sync, dense_bytes),
         publisher_rss_extra_max_bytes=max(s.rss_extra_bytes for s in pub.samples),
-        subscriber_rss_extra_max_bytes=max(s.rss_extra_bytes for s in sub.samples),
+        subscriber_rss_extra_max_bytes=max(s.rss_extra_bytes for s in sync),
         exact=all(s.exact for s in sub.samples),
+        publish_method=pub.method,
+        method=method,
+        methods=methods,
     )
 
 
@@ -247,13 +276,17 @@ def run_store(
     results: dict[str, SystemResult] = {}
     meds: dict[str, Medians] = {}
     bound: list[float] = []
+    floor_samples: list[FloorSample] = []
+    anchor: int | None = None
     side = None
     for system in systems:
         extra = scaling if system == "deltastore" else None
         pub, sub = _run_system(system, store, wl, log, extra)
-        meds[system] = medians(pub.samples, sub.samples, wl.dense_bytes)
-        results[system] = _system_result(system, pub, sub, meds[system])
+        results[system] = _system_result(system, pub, sub, wl.dense_bytes)
+        meds[system] = results[system].median
         bound += pub.bound_s
+        floor_samples += sub.floors
+        anchor = pub.anchor_bytes if pub.anchor_bytes is not None else anchor
         if extra is not None:
             side = _scaling_side(wl, sub)
     bound_med = float(np.median(bound)) if bound else None
@@ -266,6 +299,9 @@ def run_store(
         publish_bound_ratio=ds.publish.total_s / bound_med if ds and bound_med else None,
         pause_fraction=ds.sync.pause_s / ds.sync.total_s if ds and ds.sync.total_s else None,
         ratios=baseline_ratios(meds),
+        floors=floors(floor_samples, ds.sync if ds else None),
+        anchor_bytes=anchor,
+        anchor_fraction=anchor / wl.dense_bytes if anchor is not None else None,
     )
     return result, side
 

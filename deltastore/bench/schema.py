@@ -5,6 +5,11 @@ meaning or goes away (adding a field keeps it). Times are seconds (``time.perf_c
 sizes bytes. Every ``*_fraction`` is relative to the model's dense bytes unless said otherwise.
 Ratios are ``baseline / deltastore``: above 1 means deltastore is smaller, faster or leaner.
 ``benchmarks/README.md`` explains each number.
+
+Version 2 (issue 13): ``dense`` is the strongest dense load (the fastest of the methods its
+receiver times, :class:`MethodResult`), the old whole-object load is ``dense-naive`` (reported,
+never in a ratio); :class:`StoreResult` gains the receiver floors and the anchor's size.
+Version 1 documents cannot be read by this model.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
-SystemName = Literal["deltastore", "dense", "coo", "xor-dense"]
+SystemName = Literal["deltastore", "dense", "dense-naive", "coo", "xor-dense"]
 #: Every system, deltastore first.
-SYSTEMS: tuple[SystemName, ...] = ("deltastore", "dense", "coo", "xor-dense")
+SYSTEMS: tuple[SystemName, ...] = ("deltastore", "dense", "dense-naive", "coo", "xor-dense")
+#: The baselines deltastore is compared with (ratios, bar checks). ``dense-naive`` is reported
+#: beside them and never used for a ratio: ``dense`` is the strongest dense load.
 BASELINES: tuple[SystemName, ...] = ("dense", "coo", "xor-dense")
 
 
@@ -37,7 +44,8 @@ class PublishTimes(_Model):
 
 class SyncTimes(_Model):
     """One sync. ``apply_s``: writing into the receiver's tensors; ``pause_s``: the span in
-    which the tensors are being modified (deltastore: its write phase; dense: the copy; coo:
+    which the tensors are being modified (deltastore: its write phase; dense: the copy, or
+    for ranged GETs the whole load, as ranges are copied in while others are in flight; coo:
     the scatter; xor-dense: decompress and XOR, which run interleaved in place)."""
 
     fetch_s: float
@@ -60,13 +68,16 @@ class PublishSample(_Model):
 
 class SyncSample(_Model):
     """A measured sync of one version; ``exact``: the receiver's tensors hash (XXH3-64) to
-    the workload's digest of that version."""
+    the workload's digest of that version. ``method``: which of the receiver's load methods
+    ran (systems that time several, e.g. dense's ``load_file+copy_`` and
+    ``safe_open+copy_``); None for a system with one method."""
 
     version: int
     times: SyncTimes
     rss_extra_bytes: int
     digest: str
     exact: bool
+    method: str | None = None
 
 
 class Medians(_Model):
@@ -82,10 +93,27 @@ class Medians(_Model):
     subscriber_rss_extra_fraction: float
 
 
+class MethodResult(_Model):
+    """One load method of a receiver that times several (each version is loaded by every
+    method in turn, into tensors first overwritten with zeros so each load is checked on its
+    own): its samples, the median of each sync time and of the extra RSS, bit-exactness."""
+
+    method: str
+    sync: list[SyncSample]
+    median: SyncTimes
+    subscriber_rss_extra_bytes: float
+    exact: bool
+
+
 class SystemResult(_Model):
     """One system through one store: every version measured, their medians, and whether the
     receiver was bit-exact at every version. ``*_setup_s``: the untimed setup of each side
-    (deltastore: publishing the anchor; checking the receiver's tensors against it)."""
+    (deltastore: publishing the anchor; checking the receiver's tensors against it).
+
+    ``publish_method``/``method``: how the sender publishes and which receiver method
+    ``sync`` and ``median`` hold (for a receiver that times several, the one with the lowest
+    median sync time); ``methods``: every method timed, the chosen one included (empty for a
+    system with one method); ``exact`` covers every method."""
 
     system: SystemName
     publisher_setup_s: float
@@ -96,6 +124,9 @@ class SystemResult(_Model):
     publisher_rss_extra_max_bytes: int
     subscriber_rss_extra_max_bytes: int
     exact: bool
+    publish_method: str
+    method: str
+    methods: dict[str, MethodResult]
 
 
 class Ratios(_Model):
@@ -108,13 +139,50 @@ class Ratios(_Model):
     subscriber_rss: float | None
 
 
+class FloorSample(_Model):
+    """The receiver's floors for one measured version, timed in deltastore's subscriber
+    process on its own tensors after all its syncs (one thread, numpy, int64 positions).
+
+    ``decompress_s``: zstd decompression of every stored frame of the version (``frames``
+    frames, ``payload_bytes`` bytes); ``gather_s``: one gather of the changed words;
+    ``checksum_s``: the O(changed) Adler-32 update (``delta_sums``) per tensor;
+    ``scatter_s``: one scatter of the new words, all in the same pass per tensor;
+    ``receiver_floor_s``: their sum. ``scatter_floor_s``: one bare scatter of the same words
+    into the same tensors, timed on its own (the pause floor)."""
+
+    version: int
+    changed_elements: int
+    frames: int
+    payload_bytes: int
+    decompress_s: float
+    gather_s: float
+    checksum_s: float
+    scatter_s: float
+    receiver_floor_s: float
+    scatter_floor_s: float
+
+
+class Floors(_Model):
+    """deltastore's receiver floors in one store: per version, the medians, and deltastore's
+    median sync time / median receiver floor and median pause / median scatter floor."""
+
+    samples: list[FloorSample]
+    receiver_floor_median_s: float
+    scatter_floor_median_s: float
+    sync_floor_ratio: float | None
+    pause_floor_ratio: float | None
+
+
 class StoreResult(_Model):
     """All systems through one store, plus deltastore's derived numbers there.
 
     ``detect_bound_s``: per version, one chunked ``np.not_equal`` + ``np.flatnonzero`` pass
-    over the same old/new words (in deltastore's publisher process, just before its publish);
-    ``publish_bound_ratio``: deltastore's median publish time / the median bound;
-    ``pause_fraction``: deltastore's median pause / its median sync time."""
+    over the same old/new words (in deltastore's publisher process, just before its publish):
+    the publish floor; ``publish_bound_ratio``: deltastore's median publish time / the median
+    bound; ``pause_fraction``: deltastore's median pause / its median sync time; ``floors``:
+    the receiver and pause floors; ``anchor_bytes``: the stored bytes of deltastore's anchor
+    (the base version, published untimed before the measured versions) and
+    ``anchor_fraction`` that / the model's dense bytes."""
 
     store: str
     systems: dict[str, SystemResult]
@@ -123,6 +191,9 @@ class StoreResult(_Model):
     publish_bound_ratio: float | None
     pause_fraction: float | None
     ratios: dict[str, Ratios]
+    floors: Floors | None
+    anchor_bytes: int | None
+    anchor_fraction: float | None
 
 
 class ScalingSide(_Model):
@@ -194,7 +265,7 @@ class WorkloadInfo(_Model):
 class BenchResult(_Model):
     """The whole run (``deltastore bench --json``)."""
 
-    schema_version: Literal[1] = 1
+    schema_version: Literal[2] = 2
     created: str
     machine: Machine
     workload: WorkloadInfo

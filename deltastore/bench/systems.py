@@ -2,8 +2,8 @@
 
 - ``deltastore``: :class:`~deltastore.Publisher` (memory snapshot) and
   :class:`~deltastore.Subscriber` over tensors already at the base version.
-- ``dense``: ``safetensors.torch.save`` of the whole model, one object per version; the
-  receiver loads it and copies every tensor into its own (safetensors hands out new tensors).
+- ``dense``: the strongest dense baseline, and ``dense-naive``, what the benchmark measured as
+  dense before (reported, never used in a ratio): :mod:`deltastore.bench.dense`.
 - ``coo``: per version one object, zstd level 1: a JSON header, then per tensor the int32
   positions of its changed elements and their new words (PULSE / AReaL-DTE style).
 - ``xor-dense``: per version one object: a JSON header, then per tensor one zstd level-1 frame
@@ -15,6 +15,9 @@ int16 buffers holding every tensor's words in the workload's table order (bf16 t
 views of them). Baselines detect changes with the same chunked integer comparison
 (:class:`~deltastore.bench.ops.Differ`) and keep their own copy of the last version, as the
 deltastore publisher keeps its snapshot.
+
+Not thread-safe: each sender and receiver belongs to one worker process and is called from
+its main thread.
 """
 
 from __future__ import annotations
@@ -25,8 +28,6 @@ import time
 from abc import ABC, abstractmethod
 
 import numpy as np
-import safetensors.torch
-import torch
 import zstandard
 
 from deltastore.bench.ops import CHUNK_BYTES, Differ, flat_buffer
@@ -36,26 +37,31 @@ from deltastore.publish.publisher import Publisher
 from deltastore.store import Store
 from deltastore.sync.subscriber import Subscriber
 
-_LEN = struct.Struct("<Q")
+#: A little-endian u64 length (the packed blobs' header length, safetensors' too).
+LEN = struct.Struct("<Q")
 
 
-def _key(version: int) -> str:
+def object_key(version: int) -> str:
+    """The store key of a baseline's object for ``version``."""
     return f"v{version:06d}.bin"
 
 
 def _pack(header: object, parts: list[bytes]) -> bytes:
     raw = json.dumps(header).encode()
-    return b"".join([_LEN.pack(len(raw)), raw, *parts])
+    return b"".join([LEN.pack(len(raw)), raw, *parts])
 
 
 def _unpack(blob: bytes | memoryview) -> tuple[object, int]:
     """The JSON header of a packed blob and the offset of the bytes after it."""
-    (n,) = _LEN.unpack_from(blob)
-    return json.loads(bytes(blob[_LEN.size : _LEN.size + n])), _LEN.size + n
+    (n,) = LEN.unpack_from(blob)
+    return json.loads(bytes(blob[LEN.size : LEN.size + n])), LEN.size + n
 
 
 class Sender(ABC):
     """Trainer side: publishes each version's words through ``store``."""
+
+    #: How this sender publishes, in words (the report names it).
+    method = "publish"
 
     def __init__(self, store: Store, workload: Workload) -> None:
         self.store = store
@@ -70,7 +76,16 @@ class Sender(ABC):
 
 
 class Receiver(ABC):
-    """Rollout side: keeps ``flat`` (starting at the base version) in sync."""
+    """Rollout side: keeps ``flat`` (starting at the base version) in sync.
+
+    A receiver with several load methods (:attr:`methods` not empty) has each version loaded
+    by every method in turn; the caller overwrites ``flat`` between them, so a method must
+    write every word (a dense load does)."""
+
+    #: The load methods :meth:`sync` takes (empty: one method, and ``sync`` gets None).
+    methods: tuple[str, ...] = ()
+    #: The single method's name, for a receiver with one method.
+    method = "sync"
 
     def __init__(self, store: Store, workload: Workload, flat: np.ndarray) -> None:
         self.store = store
@@ -82,17 +97,22 @@ class Receiver(ABC):
         """Untimed setup (deltastore: check the tensors against the base version)."""
 
     @abstractmethod
-    def sync(self, version: int) -> SyncTimes:
-        """Bring ``flat`` to ``version`` (the measured work)."""
+    def sync(self, version: int, method: str | None = None) -> SyncTimes:
+        """Bring ``flat`` to ``version`` (the measured work) with ``method``."""
 
 
 # --- deltastore ------------------------------------------------------------------------------
 
 
 class DeltastoreSender(Sender):
+    method = "Publisher.publish (memory snapshot)"
+    #: Stored bytes of the anchor published by :meth:`start` (data frames only).
+    anchor_bytes: int | None = None
+
     def start(self, base: np.ndarray) -> None:
         self.pub = Publisher(self.store)
-        self.pub.publish(self.wl.tensors(base), version=0)  # the chain's anchor, untimed
+        rep = self.pub.publish(self.wl.tensors(base), version=0)  # the chain's anchor, untimed
+        self.anchor_bytes = rep.payload_bytes
 
     def publish(self, version: int, flat: np.ndarray) -> PublishTimes:
         t0 = time.perf_counter()
@@ -108,11 +128,13 @@ class DeltastoreSender(Sender):
 
 
 class DeltastoreReceiver(Receiver):
+    method = "Subscriber.sync"
+
     def start(self) -> None:
         self.sub = Subscriber(self.store, tensors=self.wl.tensors(self.flat), version=0)
         self.sub.verify()  # the O(model) check of tensors handed over with a version
 
-    def sync(self, version: int) -> SyncTimes:
+    def sync(self, version: int, method: str | None = None) -> SyncTimes:
         t0 = time.perf_counter()
         rep = self.sub.sync(version)
         total = time.perf_counter() - t0
@@ -126,10 +148,10 @@ class DeltastoreReceiver(Receiver):
         )
 
 
-# --- dense safetensors -----------------------------------------------------------------------
+# --- shared by the baselines ------------------------------------------------------------------
 
 
-def _publish_times(payload: int, t0: float, t1: float, t2: float, t3: float) -> PublishTimes:
+def publish_times(payload: int, t0: float, t1: float, t2: float, t3: float) -> PublishTimes:
     """Detect in ``[t0, t1)``, encode in ``[t1, t2)``, upload in ``[t2, t3)``."""
     return PublishTimes(
         payload_bytes=payload,
@@ -140,7 +162,7 @@ def _publish_times(payload: int, t0: float, t1: float, t2: float, t3: float) -> 
     )
 
 
-def _sync_times(t0: float, t1: float, t2: float, t3: float) -> SyncTimes:
+def sync_times(t0: float, t1: float, t2: float, t3: float) -> SyncTimes:
     """Fetch in ``[t0, t1)``, decode in ``[t1, t2)``, apply (the pause) in ``[t2, t3)``."""
     return SyncTimes(
         fetch_s=t1 - t0,
@@ -150,27 +172,6 @@ def _sync_times(t0: float, t1: float, t2: float, t3: float) -> SyncTimes:
         pause_s=t3 - t2,
         total_s=t3 - t0,
     )
-
-
-class DenseSender(Sender):
-    def publish(self, version: int, flat: np.ndarray) -> PublishTimes:
-        t0 = time.perf_counter()
-        data = safetensors.torch.save(self.wl.tensors(flat))
-        t1 = time.perf_counter()
-        self.store.put(_key(version), data)
-        return _publish_times(len(data), t0, t0, t1, time.perf_counter())
-
-
-class DenseReceiver(Receiver):
-    def sync(self, version: int) -> SyncTimes:
-        t0 = time.perf_counter()
-        data = self.store.get(_key(version))
-        t1 = time.perf_counter()
-        loaded = safetensors.torch.load(data)
-        t2 = time.perf_counter()
-        for name, words in self.views.items():  # np.copyto: steadier than torch's copy_
-            np.copyto(words, loaded[name].view(torch.int16).reshape(-1).numpy())
-        return _sync_times(t0, t1, t2, time.perf_counter())
 
 
 # --- COO: positions + values ------------------------------------------------------------------
@@ -186,6 +187,8 @@ class _CopySender(Sender):
 
 
 class CooSender(_CopySender):
+    method = "chunked not_equal, int32 positions + words, zstd-1, put"
+
     def start(self, base: np.ndarray) -> None:
         super().start(base)
         self.differ = Differ()
@@ -204,14 +207,16 @@ class CooSender(_CopySender):
             vals.append(values.tobytes())
         blob = self.cctx.compress(_pack(header, idx + vals))
         t2 = time.perf_counter()
-        self.store.put(_key(version), blob)
-        return _publish_times(len(blob), t0, t1, t2, time.perf_counter())
+        self.store.put(object_key(version), blob)
+        return publish_times(len(blob), t0, t1, t2, time.perf_counter())
 
 
 class CooReceiver(Receiver):
-    def sync(self, version: int) -> SyncTimes:
+    method = "get, zstd decompress, scatter"
+
+    def sync(self, version: int, method: str | None = None) -> SyncTimes:
         t0 = time.perf_counter()
-        blob = self.store.get(_key(version))
+        blob = self.store.get(object_key(version))
         t1 = time.perf_counter()
         body = zstandard.ZstdDecompressor().decompress(blob)
         header, at = _unpack(body)
@@ -227,13 +232,15 @@ class CooReceiver(Receiver):
         t2 = time.perf_counter()
         for words, idx, values in updates:
             words[idx] = values
-        return _sync_times(t0, t1, t2, time.perf_counter())
+        return sync_times(t0, t1, t2, time.perf_counter())
 
 
 # --- xor-dense: the whole XOR buffer per tensor ----------------------------------------------
 
 
 class XorDenseSender(_CopySender):
+    method = "per tensor XOR, zstd-1, put"
+
     def start(self, base: np.ndarray) -> None:
         super().start(base)
         self.xor = flat_buffer(max(t.numel for t in self.wl.index.tensors))
@@ -255,12 +262,14 @@ class XorDenseSender(_CopySender):
             detect, encode = detect + tb - ta, encode + tc - tb
         blob = _pack(header, frames)
         t1 = time.perf_counter()
-        self.store.put(_key(version), blob)
+        self.store.put(object_key(version), blob)
         # Detect is the XORs; the rest up to the upload (zstd, copies, packing) is encode.
-        return _publish_times(len(blob), t0, t0 + detect, t1, time.perf_counter())
+        return publish_times(len(blob), t0, t0 + detect, t1, time.perf_counter())
 
 
 class XorDenseReceiver(Receiver):
+    method = "get, streamed zstd decompress, XOR in place"
+
     def start(self) -> None:
         self.chunk = flat_buffer(CHUNK_BYTES // 2)
         self.dctx = zstandard.ZstdDecompressor()
@@ -278,9 +287,9 @@ class XorDenseReceiver(Receiver):
             raise ValueError("xor-dense frame of an odd byte length")
         return got // 2
 
-    def sync(self, version: int) -> SyncTimes:
+    def sync(self, version: int, method: str | None = None) -> SyncTimes:
         t0 = time.perf_counter()
-        blob = memoryview(self.store.get(_key(version)))
+        blob = memoryview(self.store.get(object_key(version)))
         t1 = time.perf_counter()
         header, at = _unpack(blob)
         assert isinstance(header, list)
@@ -309,17 +318,3 @@ class XorDenseReceiver(Receiver):
             pause_s=t2 - t1,
             total_s=t2 - t0,
         )
-
-
-SENDERS: dict[str, type[Sender]] = {
-    "deltastore": DeltastoreSender,
-    "dense": DenseSender,
-    "coo": CooSender,
-    "xor-dense": XorDenseSender,
-}
-RECEIVERS: dict[str, type[Receiver]] = {
-    "deltastore": DeltastoreReceiver,
-    "dense": DenseReceiver,
-    "coo": CooReceiver,
-    "xor-dense": XorDenseReceiver,
-}

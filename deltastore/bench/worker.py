@@ -7,11 +7,18 @@ measured version reads it into a buffer (untimed) and publishes it inside an
 lower bound on the same old/new words just before each publish (two alternating buffers hold
 them). A subscriber worker starts from a copy of the base version and syncs each version
 inside an :class:`RssMeter`, then (untimed) hashes its words and compares with the workload.
+A receiver with several load methods (dense) loads each version by every method in turn (the
+order rotates from one version to the next), its words overwritten with zeros (untimed)
+before each, so every method is timed, metered and checked on its own.
 
 Scaling (deltastore only): after the measured versions the publisher publishes ``reps``
 versions that each differ from the one before in exactly ``flips`` words (bit 0 flipped at
 seeded random positions over the whole model) and reports their digests; the subscriber
 syncs them, timed, and checks the digests.
+
+Floors (deltastore only): after all its syncs, the subscriber times the receiver and pause
+floors of each measured version (:mod:`deltastore.bench.floors`) into its own tensors. The
+publisher reports the stored size of the anchor its sender published during setup.
 
 Workers are started from a fork server that imported this module once (a fresh interpreter
 with torch costs seconds per worker); each is still a separate process with its own memory.
@@ -29,11 +36,37 @@ from typing import Any, Literal
 
 import numpy as np
 
+from deltastore.bench import floors
+from deltastore.bench.dense import DenseNaiveReceiver, DenseNaiveSender, DenseReceiver, DenseSender
 from deltastore.bench.ops import Differ, RssMeter, digest, flip_positions, rss_bytes
-from deltastore.bench.schema import PublishSample, SyncSample
-from deltastore.bench.systems import RECEIVERS, SENDERS
+from deltastore.bench.schema import FloorSample, PublishSample, SyncSample
+from deltastore.bench.systems import (
+    CooReceiver,
+    CooSender,
+    DeltastoreReceiver,
+    DeltastoreSender,
+    Receiver,
+    Sender,
+    XorDenseReceiver,
+    XorDenseSender,
+)
 from deltastore.bench.workload import Workload
 from deltastore.store import open_store
+
+SENDERS: dict[str, type[Sender]] = {
+    "deltastore": DeltastoreSender,
+    "dense": DenseSender,
+    "dense-naive": DenseNaiveSender,
+    "coo": CooSender,
+    "xor-dense": XorDenseSender,
+}
+RECEIVERS: dict[str, type[Receiver]] = {
+    "deltastore": DeltastoreReceiver,
+    "dense": DenseReceiver,
+    "dense-naive": DenseNaiveReceiver,
+    "coo": CooReceiver,
+    "xor-dense": XorDenseReceiver,
+}
 
 
 @dataclass(frozen=True)
@@ -52,22 +85,35 @@ class Task:
     flips: int = 0
     reps: int = 0
     expect: tuple[str, ...] = ()
+    #: sync: time the receiver floors of every measured version after the syncs.
+    floors: bool = False
 
 
 @dataclass
 class PublishRun:
+    """A publisher worker's results; ``anchor_bytes``: what its setup stored as the anchor
+    (deltastore), ``method``: how its sender publishes."""
+
     setup_s: float = 0.0
     samples: list[PublishSample] = field(default_factory=list)
     bound_s: list[float] = field(default_factory=list)
     flip_digests: list[str] = field(default_factory=list)
+    anchor_bytes: int | None = None
+    method: str = ""
 
 
 @dataclass
 class SyncRun:
+    """A subscriber worker's results: ``samples`` in the order run (a receiver with several
+    methods has one per version and method), its single ``method`` or ``methods``."""
+
     setup_s: float = 0.0
     samples: list[SyncSample] = field(default_factory=list)
     flip_sync_s: list[float] = field(default_factory=list)
     flip_exact: bool = True
+    floors: list[FloorSample] = field(default_factory=list)
+    method: str = ""
+    methods: tuple[str, ...] = ()
 
 
 def run_publisher(task: Task) -> PublishRun:
@@ -78,7 +124,9 @@ def run_publisher(task: Task) -> PublishRun:
     sender = SENDERS[task.system](store, wl)
     t0 = time.perf_counter()
     sender.start(base)
-    out = PublishRun(setup_s=time.perf_counter() - t0)
+    out = PublishRun(setup_s=time.perf_counter() - t0, method=sender.method)
+    if isinstance(sender, DeltastoreSender):
+        out.anchor_bytes = sender.anchor_bytes
     differ = Differ()
     baseline = rss_bytes()
     new = base
@@ -114,26 +162,35 @@ def run_subscriber(task: Task) -> SyncRun:
     receiver = RECEIVERS[task.system](store, wl, flat)
     t0 = time.perf_counter()
     receiver.start()
-    out = SyncRun(setup_s=time.perf_counter() - t0)
+    methods = receiver.methods
+    out = SyncRun(setup_s=time.perf_counter() - t0, method=receiver.method, methods=methods)
     baseline = rss_bytes()
     for version in range(1, wl.files):
-        with RssMeter(baseline=baseline) as rss:
-            times = receiver.sync(version)
-        got = digest([flat])
-        out.samples.append(
-            SyncSample(
-                version=version,
-                times=times,
-                rss_extra_bytes=rss.extra_bytes,
-                digest=got,
-                exact=got == wl.index.digests[version],
+        turn = (version - 1) % max(1, len(methods))
+        order: tuple[str | None, ...] = (methods[turn:] + methods[:turn]) or (None,)
+        for method in order:
+            if method is not None:
+                flat.fill(0)  # each method loads every word, checked on its own
+            with RssMeter(baseline=baseline) as rss:
+                times = receiver.sync(version, method)
+            got = digest([flat])
+            out.samples.append(
+                SyncSample(
+                    version=version,
+                    times=times,
+                    rss_extra_bytes=rss.extra_bytes,
+                    digest=got,
+                    exact=got == wl.index.digests[version],
+                    method=method,
+                )
             )
-        )
     for rep, expect in enumerate(task.expect, start=1):
         t0 = time.perf_counter()
         receiver.sync(wl.files - 1 + rep)
         out.flip_sync_s.append(time.perf_counter() - t0)
         out.flip_exact = out.flip_exact and digest([flat]) == expect
+    if task.floors:
+        out.floors = [floors.measure(store, wl, flat, v) for v in range(1, wl.files)]
     return out
 
 
