@@ -58,8 +58,10 @@ from deltastore.publish.commit import (
 from deltastore.publish.encode import FrameEncoders, FrameJob
 from deltastore.publish.snapshot import (
     DiskSnapshot,
+    HeldChange,
     MemorySnapshot,
     TensorState,
+    TensorSums,
     WriterState,
     row_range,
 )
@@ -100,7 +102,7 @@ class _Pending:
 
     entries: dict[str, TensorEntry] = field(default_factory=dict)
     frame_adler: dict[str, list[int]] = field(default_factory=dict)
-    updates: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+    updates: list[HeldChange] = field(default_factory=list)
     rows: dict[str, tuple[int, int]] = field(default_factory=dict)
     codecs: dict[str, int] = field(default_factory=dict)
     detect_s: float = 0.0
@@ -218,7 +220,7 @@ class _ChainWriter:
         step = max(1, self._max_frame_bytes // size)
         return [(a, min(a + step, numel)) for a in range(0, numel, step)]
 
-    def _checksums(self, words: np.ndarray) -> tuple[list[int], int]:
+    def _checksums(self, words: np.ndarray) -> TensorSums:
         """Per-frame and whole Adler-32 of ``words`` on this writer's frame grid (one pass)."""
         size = words.dtype.itemsize
         bounds = self._frames_of(words.size, size)
@@ -226,7 +228,7 @@ class _ChainWriter:
         total = 1
         for (a, b), fa in zip(bounds, frames, strict=True):
             total = combine(total, fa, (b - a) * size)
-        return frames, total
+        return TensorSums(frames, total)
 
     # --- attach -------------------------------------------------------------------------
 
@@ -343,7 +345,7 @@ class _ChainWriter:
                     pending.codecs[out.codec] = pending.codecs.get(out.codec, 0) + 1
                 if prev is not None and out.pos is not None and out.pos.size:
                     new_at = words[a:b][out.pos] if out.new_at is None else out.new_at
-                    pending.updates.append((prev.words, out.pos + a, new_at))
+                    pending.updates.append(HeldChange(prev.words, out.pos + a, new_at))
                 frame_adler.append(out.adler)
                 ticker.tick((b - a) * words.dtype.itemsize)
                 total_adler = combine(total_adler, out.adler, (b - a) * words.dtype.itemsize)
@@ -398,7 +400,9 @@ class _ChainWriter:
         """After ``manifest`` is committed: bring the snapshot to it, in O(changed) for a
         delta. A failure to save only loses the parent for next time (logged)."""
         version, digest = manifest.version, manifest.state_digest
-        sums = {n: (pending.frame_adler[n], e.adler32) for n, e in pending.entries.items()}
+        sums = {
+            n: TensorSums(pending.frame_adler[n], e.adler32) for n, e in pending.entries.items()
+        }
         try:
             if incremental:
                 self._held.update(version, digest, pending.updates, sums)
@@ -445,7 +449,7 @@ class Publisher(_ChainWriter):
         host = {n: np_words(tensors[n].detach().cpu().contiguous()) for n in manifest.tensors}
         sums = {name: self._checksums(words) for name, words in host.items()}
         raise_if_mismatched(
-            [n for n, (_, total) in sums.items() if total != manifest.tensors[n].adler32], manifest
+            [n for n, s in sums.items() if s.whole != manifest.tensors[n].adler32], manifest
         )
         specs = {n: (e.dtype, e.shape) for n, e in manifest.tensors.items()}
         self._held.replace(manifest.version, manifest.state_digest, host, specs, sums, {})

@@ -256,7 +256,7 @@ class ShardWriter(_ChainWriter):
         host = {n: np_words(s.tensor.detach().cpu().contiguous()) for n, s in slices.items()}
         sums = {n: self._checksums(w) for n, w in host.items()}
         ranges = {n: row_range(specs[n][1], rows[n]) for n in host}
-        _check_slices(self.store, manifest, host, ranges, {n: s[1] for n, s in sums.items()})
+        _check_slices(self.store, manifest, host, ranges, {n: s.whole for n, s in sums.items()})
         self._inflight = None
         self._held.replace(manifest.version, manifest.state_digest, host, specs, sums, rows)
         return manifest.version

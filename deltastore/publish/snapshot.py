@@ -46,6 +46,25 @@ def row_range(shape: Sequence[int], rows: tuple[int, int]) -> tuple[int, int]:
     return rows[0] * per_row, rows[1] * per_row
 
 
+@dataclass(frozen=True)
+class HeldChange:
+    """Changed words of one frame to write into the held copy once a delta is committed:
+    ``held`` (the held tensor's words), int64 element ``positions`` in it, new ``values``."""
+
+    held: np.ndarray
+    positions: np.ndarray
+    values: np.ndarray
+
+
+@dataclass(frozen=True)
+class TensorSums:
+    """Adler-32 (zlib-compatible, of the little-endian bytes) of each frame of a tensor and
+    of the whole tensor."""
+
+    frames: list[int]
+    whole: int
+
+
 @dataclass
 class TensorState:
     """Publisher-side memory of one tensor at the last published version."""
@@ -259,7 +278,7 @@ class WriterState:
         digest: str,
         host: Mapping[str, np.ndarray],
         specs: Mapping[str, tuple[str, list[int]]],
-        sums: Mapping[str, tuple[list[int], int]],
+        sums: Mapping[str, TensorSums],
         rows: Mapping[str, tuple[int, int]],
     ) -> None:
         """Hold ``version``: copies of ``host`` (per tensor: ``specs`` dtype and shape, ``sums``
@@ -267,7 +286,8 @@ class WriterState:
         self._snapshots.begin_update()
         words = self._snapshots.replace(dict(host))
         self.tensors = {
-            n: TensorState(*specs[n], words[n], *sums[n], rows=rows.get(n)) for n in host
+            n: TensorState(*specs[n], words[n], sums[n].frames, sums[n].whole, rows=rows.get(n))
+            for n in host
         }
         self._hold(version, digest)
 
@@ -275,18 +295,18 @@ class WriterState:
         self,
         version: int,
         digest: str,
-        changes: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
-        sums: Mapping[str, tuple[list[int], int]],
+        changes: Sequence[HeldChange],
+        sums: Mapping[str, TensorSums],
     ) -> None:
-        """Hold ``version``, a delta on the version held: ``changes`` are ``(held words,
-        positions, new values)``, in place, O(changed); ``sums`` the new checksums."""
+        """Hold ``version``, a delta on the version held: ``changes`` written into the held
+        words in place, O(changed); ``sums`` the new checksums."""
         if self.tensors is None:
             raise ValueError("no version held to update")
         self._snapshots.begin_update()
-        for snap, positions, values in changes:
-            snap[positions] = values
+        for c in changes:
+            c.held[c.positions] = c.values
         for name, st in self.tensors.items():
-            st.frame_adler, st.adler = sums[name]
+            st.frame_adler, st.adler = sums[name].frames, sums[name].whole
         self._hold(version, digest)
 
     def _hold(self, version: int, digest: str) -> None:
