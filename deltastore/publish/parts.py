@@ -184,7 +184,7 @@ def _abort_reason(store: Store, version: int) -> str | None:
         return "(unreadable abort marker)"
 
 
-def _wait_committed(store: Store, version: int, timeout_s: float, poll_s: float) -> Manifest:
+def wait_committed(store: Store, version: int, timeout_s: float, poll_s: float) -> Manifest:
     """The manifest of ``version`` once it exists; :class:`VersionNotCommittedError` when the
     version is aborted or ``timeout_s`` passes first."""
     reader, deadline = ChainReader(store), time.monotonic() + timeout_s

@@ -97,7 +97,7 @@ class PublishReport(SizeRatios):
 
 
 @dataclass
-class _Pending:
+class Pending:
     """Everything of a publish that takes effect only once the manifest is committed."""
 
     entries: dict[str, TensorEntry] = field(default_factory=dict)
@@ -135,7 +135,7 @@ def _utf8(name: str) -> bool:
 class _PackWriter:
     """Concatenates encoded frames into data objects of about ``max_bytes`` and uploads them."""
 
-    def __init__(self, store: Store, prefix: str, max_bytes: int, pending: _Pending) -> None:
+    def __init__(self, store: Store, prefix: str, max_bytes: int, pending: Pending) -> None:
         self._store, self._prefix, self._max = store, prefix, max_bytes
         self._pending = pending
         self._parts: list[bytes] = []
@@ -164,7 +164,7 @@ class _PackWriter:
         self._parts, self._size, self._seq = [], 0, self._seq + 1
 
 
-class _ChainWriter:
+class ChainWriter:
     """What :class:`Publisher` and :class:`~deltastore.publish.ShardWriter` share: options, the
     version held (:class:`WriterState`), change detection and frame encoding."""
 
@@ -287,7 +287,7 @@ class _ChainWriter:
         kind: str,
         progress: ProgressFn | None,
         rows: Mapping[str, tuple[int, int]] | None = None,
-    ) -> _Pending:
+    ) -> Pending:
         """Detect and encode the changes of every tensor, upload the data objects.
 
         Frames are detected and encoded on ``max_workers`` threads and packed in order here
@@ -295,7 +295,7 @@ class _ChainWriter:
         a larger global tensor (``specs`` holds its shape); frames are then cut from the start
         of the words, at global positions.
         """
-        pending = _Pending(rows=dict(rows or {}))
+        pending = Pending(rows=dict(rows or {}))
         packs = _PackWriter(
             self.store, f"{data_prefix(version)}{self.token[:12]}-", self._max_object_bytes, pending
         )
@@ -368,7 +368,7 @@ class _ChainWriter:
         kind: Literal["anchor", "delta"],
         parent: Parent | None,
         host: Mapping[str, np.ndarray],
-        pending: _Pending,
+        pending: Pending,
         t_start: float,
     ) -> PublishReport:
         """What was published of ``host`` (the words this writer encoded)."""
@@ -393,7 +393,7 @@ class _ChainWriter:
         self,
         manifest: Manifest,
         host: Mapping[str, np.ndarray],
-        pending: _Pending,
+        pending: Pending,
         *,
         incremental: bool,
     ) -> None:
@@ -420,7 +420,7 @@ class _ChainWriter:
             self._held.version, self._held.digest = version, digest
 
 
-class Publisher(_ChainWriter):
+class Publisher(ChainWriter):
     """Publishes versions of a set of tensors to a store.
 
     Keyword options: ``snapshot`` (``"memory"``: the parent's words in RAM; ``"disk"``: in a

@@ -47,14 +47,14 @@ from deltastore.publish.commit import conditional_writes
 from deltastore.publish.parts import (
     Part,
     PartTensor,
-    _wait_committed,
     abort_key,
     commit_parts,
     parse_part,
     part_key,
     parts_prefix,
+    wait_committed,
 )
-from deltastore.publish.publisher import PublishReport, _ChainWriter, _Pending, table_entry
+from deltastore.publish.publisher import ChainWriter, Pending, PublishReport, table_entry
 from deltastore.publish.snapshot import row_range
 from deltastore.store import Store
 from deltastore.tensors.dtypes import np_words
@@ -110,11 +110,11 @@ class _Inflight:
     """A part published and waiting for its version's commit."""
 
     part: Part
-    pending: _Pending
+    pending: Pending
     host: dict[str, np.ndarray]  # copies of an anchor's words (empty for a delta)
 
 
-class ShardWriter(_ChainWriter):
+class ShardWriter(ChainWriter):
     """The writer of rank ``rank`` of ``world`` writers of a sharded trainer.
 
     Keyword options are :class:`~deltastore.Publisher`'s (``storage_options``, ``snapshot``,
@@ -215,7 +215,7 @@ class ShardWriter(_ChainWriter):
         inflight = self._inflight
         if inflight is None or inflight.part.version != version:
             raise ChainError(f"rank {self.rank} has no unfinished part of version {version}")
-        manifest = _wait_committed(self.store, version, timeout_s, poll_s)
+        manifest = wait_committed(self.store, version, timeout_s, poll_s)
         self._inflight = None
         part = inflight.part
         if manifest.parent != part.parent or not all(
