@@ -1,0 +1,533 @@
+"""Frame codecs of the 0.2.0 format revision (draft, not wired in yet): ``xor-sparse2`` and
+``raw-planes``.
+
+Both keep format v1's rules for stored frames (``docs/spec/format-v1.md`` section 8.1: exactly
+one zstd frame, content size in the header, no dictionary, window at most 2^27 bytes); their
+decompressed layouts are specified in ``docs/spec/codecs-v2-draft.md``. A frame covers
+``n = stop - start`` elements of ``s`` bytes each, handled as little-endian unsigned words.
+
+``xor-sparse2``
+    the changed elements of a delta frame, ``k`` of them, coded closer to their entropy than
+    ``xor-sparse``: each gap (unchanged elements before a change) is split at a per-frame
+    bit ``L`` (from the mean gap) into a one-byte *token* ``min(gap >> L, 255)``, which zstd's
+    Huffman stage codes near its entropy, and its ``L`` low bits, which are near uniform (a
+    Huffman code of ``2^L`` equally likely bytes costs exactly ``L`` bits), with a 32-bit
+    escape for the rare tokens of 255; the XOR masks follow as ``s`` byte planes, as in
+    ``xor-sparse``. Content (``w = ceil(L / 8)``)::
+
+        <u32 k><u32 e><u8 L><3 zero bytes>      12-byte header
+        k bytes                                 tokens
+        w planes of k bytes                     gap & (2^L - 1), least significant byte first
+        4 planes of e bytes                     (gap >> L) - 255 of each token 255, in order
+        s planes of k bytes                     XOR masks, least significant byte first
+
+``raw-planes``
+    the ``n * s`` bytes of the new words as ``s`` byte planes of ``n`` bytes (plane ``j``:
+    byte ``j`` of every word). For an anchor of bf16 the sign/exponent plane compresses to
+    about a third of its size, the mantissa plane hardly at all: ~67% of the dense bytes
+    where ``raw`` reaches ~78%.
+
+The encoder starts a zstd block at every section and plane of a frame (from
+:data:`BLOCKS_MIN_CHANGES` changes on), so each gets its own Huffman table, and compresses
+with :data:`DEFAULT_PARAMS` (zstd's ``fast`` strategy, 128 KiB window, a 64-entry hash
+table and 7-byte minimum matches): on planes of few distinct bytes the default levels find
+many short random matches that cost more than the literals they replace. Readers are not
+affected by either choice.
+
+Decoders never allocate more than the frame's declared content size, which they check against
+the bound the manifest implies before anything is decompressed; every decoded position is
+checked against the frame's end and every mask against zero. Decoding is vectorized numpy,
+O(changed) for ``xor-sparse2``.
+
+Thread-safety: :class:`FrameEncoder2` and :class:`FrameDecoder2` hold zstd contexts and
+reusable buffers; use one instance per thread.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from typing import Any, Final, Literal
+
+import numpy as np
+import zstandard
+
+from deltastore.errors import FrameError
+from deltastore.format.codecs import MAX_WINDOW_SIZE, FrameEncoder, compress_bound
+from deltastore.format.dtypes import word_dtype
+
+Codec2 = Literal["xor-sparse2", "raw-planes", "xor-sparse", "xor-dense"]
+XOR_SPARSE2: Final = "xor-sparse2"
+RAW_PLANES: Final = "raw-planes"
+#: format v1's ``xor-dense`` (``old XOR new``, every word, in element order): the encoder's
+#: choice for frames where most elements changed.
+XOR_DENSE: Final = "xor-dense"
+#: format v1's ``xor-sparse``: the encoder's choice for a handful of changes.
+XOR_SPARSE: Final = "xor-sparse"
+#: The codecs this module adds to format v1.
+CODECS_V2: Final = (XOR_SPARSE2, RAW_PLANES)
+
+SPARSE2_HEADER: Final = 12
+#: Largest number of low bits ``L`` of an ``xor-sparse2`` gap.
+MAX_LOW_BITS: Final = 31
+#: Token value that says "the high part continues in the escape section".
+ESCAPE: Final = 255
+#: Largest ``n`` of an ``xor-sparse2`` frame (``k`` and gaps are 32-bit).
+MAX_SPARSE2_ELEMENTS: Final = (1 << 32) - 1
+#: The writer's ``L`` is ``floor(log2(mean gap + 1)) - LOW_BITS_BIAS`` (at least 0): tokens
+#: then carry ~``LOW_BITS_BIAS + 2`` bits of entropy each and the low bits are near uniform.
+LOW_BITS_BIAS: Final = 2
+#: Fewest changes for which the encoder starts a zstd block per section: below, one block
+#: (block headers and Huffman tables cost more than they save on small sections).
+BLOCKS_MIN_CHANGES: Final = 256
+#: Most changes for which :meth:`FrameEncoder2.encode_delta` also tries format v1's
+#: ``xor-sparse`` (4 bytes less header; it wins on a handful of changes).
+V1_MAX_CHANGES: Final = 64
+#: Bytes per step when streaming planes in and out of zstd.
+CHUNK_BYTES: Final = 1 << 20
+
+_HEADER = struct.Struct("<IIB3s")
+
+#: zstd parameters of :class:`FrameEncoder2` (see the module docstring); any zstd
+#: parameters produce valid frames.
+DEFAULT_PARAMS: Final = zstandard.ZstdCompressionParameters(
+    window_log=17,
+    hash_log=6,
+    chain_log=6,
+    search_log=1,
+    min_match=7,
+    target_length=0,
+    strategy=zstandard.STRATEGY_FAST,
+    write_content_size=True,
+    write_checksum=False,
+    write_dict_id=False,
+)
+
+
+# --- sizes and bounds -------------------------------------------------------------------------
+
+
+def sparse2_size(k: int, size: int, low_bits: int, escapes: int) -> int:
+    """Decompressed size of an ``xor-sparse2`` frame: ``k`` changes of ``size``-byte words,
+    ``low_bits`` low bits per gap (in ``ceil(low_bits / 8)`` byte planes) and ``escapes``
+    escaped tokens."""
+    return SPARSE2_HEADER + k * (1 + size + (low_bits + 7) // 8) + 4 * escapes
+
+
+def max_escapes(n: int, changed: int) -> int:
+    """Most escapes a valid ``xor-sparse2`` frame of ``n`` elements and ``changed`` changes
+    can hold: an escaped gap is at least 255 and the gaps add up to at most ``n - changed``."""
+    return max(0, min(changed, (n - changed) // ESCAPE))
+
+
+def sparse2_bounds(n: int, size: int, changed: int) -> tuple[int, int]:
+    """Smallest and largest content size of a valid ``xor-sparse2`` frame of ``n`` elements
+    of ``size`` bytes and ``changed`` changes (``L`` from 0 to :data:`MAX_LOW_BITS`, from 0 to
+    :func:`max_escapes` escapes)."""
+    return (
+        sparse2_size(changed, size, 0, 0),
+        sparse2_size(changed, size, MAX_LOW_BITS, max_escapes(n, changed)),
+    )
+
+
+def sparse2_possible(content: int, n: int, size: int, changed: int) -> bool:
+    """Whether ``content`` equals :func:`sparse2_size` for ``k = changed``, some ``L`` in
+    0..31 and some escape count in 0..:func:`max_escapes` (what a reader checks before
+    decompressing)."""
+    rest = content - sparse2_size(changed, size, 0, 0)
+    most = max_escapes(n, changed)
+    for width in range(_low_width(MAX_LOW_BITS) + 1):
+        left = rest - width * changed
+        if left >= 0 and left % 4 == 0 and left // 4 <= most:
+            return True
+    return False
+
+
+def stored_bound(codec: str, n: int, size: int, changed: int) -> int:
+    """Largest stored (compressed) length of a frame: the zstd bound of its largest content
+    (``deltastore.format.codecs.compress_bound``)."""
+    if codec == XOR_SPARSE2:
+        return compress_bound(sparse2_bounds(n, size, changed)[1])
+    if codec == RAW_PLANES:
+        return compress_bound(n * size)
+    raise ValueError(f"not a codec of this module: {codec!r}")
+
+
+def choose_low_bits(k: int, span: int, bias: int = LOW_BITS_BIAS) -> int:
+    """The writer's ``L`` for ``k`` changes spread over ``span`` elements (last position + 1):
+    ``floor(log2(span / k)) - bias``, clamped to 0..:data:`MAX_LOW_BITS`."""
+    if k <= 0:
+        return 0
+    return max(0, min(MAX_LOW_BITS, (span // k).bit_length() - 1 - bias))
+
+
+def _low_width(low_bits: int) -> int:
+    """Bytes that hold ``low_bits`` bits: ``ceil(low_bits / 8)``."""
+    return (low_bits + 7) // 8
+
+
+# --- byte planes ------------------------------------------------------------------------------
+
+
+def _planes(words: np.ndarray) -> list[bytes]:
+    """Byte planes of unsigned words: [all byte 0s, all byte 1s, ...] (plane by plane)."""
+    size = words.dtype.itemsize
+    src = np.ascontiguousarray(words).view(np.uint8).reshape(-1, size)
+    return [src[:, j].tobytes() for j in range(size)]
+
+
+def _unplanes(
+    raw: bytes, offset: int, count: int, size: int, dtype: np.dtype[Any] | None = None
+) -> np.ndarray:
+    """Words from ``size`` byte planes of ``count`` bytes at ``offset``, as ``dtype``
+    (default: unsigned words of ``size`` bytes; a wider dtype gets zero high bytes)."""
+    planes = np.frombuffer(raw, dtype=np.uint8, count=count * size, offset=offset)
+    dtype = word_dtype(size) if dtype is None else dtype
+    out = np.empty(count, dtype=dtype)
+    dst = out.view(np.uint8).reshape(count, dtype.itemsize)
+    if dtype.itemsize > size:
+        dst[:, size:] = 0
+    for j in range(size):
+        dst[:, j] = planes[j * count : (j + 1) * count]
+    return out
+
+
+def _low_planes(gaps: np.ndarray, low_bits: int) -> list[bytes]:
+    """The first ``ceil(low_bits / 8)`` byte planes of ``gaps & (2^low_bits - 1)``."""
+    width = _low_width(low_bits)
+    if not width:
+        return []
+    low = gaps & ((1 << low_bits) - 1)
+    if width == 1:
+        return [low.astype(np.uint8).tobytes()]
+    return _planes(low.astype(word_dtype(2 if width == 2 else 4)))[:width]
+
+
+# --- zstd frames ------------------------------------------------------------------------------
+
+
+def _frame_length(data: bytes) -> int:
+    """Bytes of the zstd frame at the start of ``data``, by walking its block headers."""
+    try:
+        pos = int(zstandard.frame_header_size(data))
+    except zstandard.ZstdError as exc:
+        raise FrameError(f"not a zstd frame ({exc})") from None
+    has_checksum = len(data) > 4 and bool(data[4] & 0x04)
+    while True:
+        if pos + 3 > len(data):
+            raise FrameError("zstd frame is truncated (block header missing)")
+        header = int.from_bytes(data[pos : pos + 3], "little")
+        kind, size = (header >> 1) & 3, header >> 3
+        if kind == 3:
+            raise FrameError("zstd frame holds a reserved block type")
+        pos += 3 + (1 if kind == 1 else size)
+        if header & 1:
+            return pos + (4 if has_checksum else 0)
+
+
+class FrameEncoder2:
+    """Encodes ``xor-sparse2``, ``raw-planes`` and ``xor-dense`` frames, and picks the
+    smallest codec of a delta frame (:meth:`encode_delta`). Not thread-safe.
+
+    ``level`` None (default) compresses with :data:`DEFAULT_PARAMS`; an integer uses that
+    zstd level instead (content size always in the header).
+    """
+
+    def __init__(self, level: int | None = None) -> None:
+        if level is None:
+            self._cctx = zstandard.ZstdCompressor(compression_params=DEFAULT_PARAMS)
+        else:
+            self._cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        self._v1 = FrameEncoder(1 if level is None else level)
+
+    def _compress(self, parts: list[bytes], *, blocks: bool = True) -> bytes:
+        """One zstd frame of the concatenated parts; with ``blocks``, each part starts a new
+        zstd block (its own Huffman table)."""
+        if not blocks:
+            return bytes(self._cctx.compress(b"".join(parts)))
+        parts = [part for part in parts if part]
+        obj = self._cctx.compressobj(size=sum(len(part) for part in parts))
+        out: list[bytes] = []
+        for i, part in enumerate(parts):
+            out.append(obj.compress(part))
+            if i + 1 < len(parts):
+                out.append(obj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+        out.append(obj.flush(zstandard.COMPRESSOBJ_FLUSH_FINISH))
+        return b"".join(out)
+
+    def xor_sparse2(
+        self, positions: np.ndarray, masks: np.ndarray, *, low_bits: int | None = None
+    ) -> bytes:
+        """``xor-sparse2`` frame of strictly increasing frame-local ``positions`` (integers,
+        each below 2^32 - 1) and their non-zero XOR ``masks`` (unsigned words of the dtype's
+        size); :class:`ValueError` otherwise. ``low_bits`` overrides the writer's choice of
+        ``L`` (:func:`choose_low_bits`)."""
+        k = int(positions.size)
+        if masks.size != k:
+            raise ValueError("positions and masks differ in length")
+        if k == 0:
+            return self._compress([_HEADER.pack(0, 0, 0, b"\0\0\0")], blocks=False)
+        pos = positions.astype(np.int64, copy=False)
+        if int(pos[0]) < 0 or int(pos[-1]) >= MAX_SPARSE2_ELEMENTS:
+            raise ValueError("xor-sparse2 positions must be in [0, 2^32 - 1)")
+        gaps = np.diff(pos, prepend=-1)
+        gaps -= 1
+        if int(gaps.min()) < 0 or not masks.all():
+            raise ValueError("xor-sparse2 needs strictly increasing positions, non-zero masks")
+        if low_bits is None:
+            low_bits = choose_low_bits(k, int(pos[-1]) + 1)
+        if not 0 <= low_bits <= MAX_LOW_BITS:
+            raise ValueError(f"low_bits must be in 0..{MAX_LOW_BITS}")
+        high = gaps >> low_bits
+        tokens = np.minimum(high, ESCAPE).astype(np.uint8)
+        escaped = high[tokens == ESCAPE]
+        escaped -= ESCAPE
+        header = _HEADER.pack(k, int(escaped.size), low_bits, b"\0\0\0")
+        return self._compress(
+            [
+                header + tokens.tobytes(),
+                *_low_planes(gaps, low_bits),
+                *(_planes(escaped.astype("<u4")) if escaped.size else []),
+                *_planes(masks),
+            ],
+            blocks=k >= BLOCKS_MIN_CHANGES,
+        )
+
+    def raw_planes(self, new: np.ndarray) -> bytes:
+        """``raw-planes`` frame of the new words (1-D unsigned words), streamed plane by
+        plane (no full-size copy)."""
+        size = new.dtype.itemsize
+        n = int(new.size)
+        src = np.ascontiguousarray(new).view(np.uint8).reshape(n, size)
+        obj = self._cctx.compressobj(size=n * size)
+        out: list[bytes] = []
+        for j in range(size):
+            for a in range(0, n, CHUNK_BYTES):
+                out.append(obj.compress(np.ascontiguousarray(src[a : a + CHUNK_BYTES, j]).data))
+            if n and j + 1 < size:
+                out.append(obj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+        out.append(obj.flush(zstandard.COMPRESSOBJ_FLUSH_FINISH))
+        return b"".join(out)
+
+    def xor_dense(self, xor: np.ndarray) -> bytes:
+        """Format v1 ``xor-dense`` frame of the full XOR words."""
+        return bytes(self._cctx.compress(np.ascontiguousarray(xor).view(np.uint8).data))
+
+    def encode_delta(
+        self,
+        old: np.ndarray,
+        new: np.ndarray,
+        positions: np.ndarray,
+        *,
+        masks: np.ndarray | None = None,
+    ) -> tuple[Codec2, bytes]:
+        """The smallest encoding of a changed frame (same contract as
+        ``deltastore.format.codecs.FrameEncoder.encode_delta``): ``xor-sparse2`` always,
+        format v1's ``xor-sparse`` too for at most :data:`V1_MAX_CHANGES` changes, and
+        ``xor-dense`` and ``raw-planes`` when more than 1/16 of the elements changed."""
+        if masks is None:
+            masks = old[positions] ^ new[positions]
+        best: tuple[Codec2, bytes] = (XOR_SPARSE2, self.xor_sparse2(positions, masks))
+        cands: list[tuple[Codec2, bytes]] = []
+        if positions.size <= V1_MAX_CHANGES:
+            cands.append((XOR_SPARSE, self._v1.xor_sparse(positions, masks)))
+        if positions.size * 16 > new.size:
+            cands.append((XOR_DENSE, self.xor_dense(old ^ new)))
+            cands.append((RAW_PLANES, self.raw_planes(new)))
+        for cand in cands:
+            if len(cand[1]) < len(best[1]):
+                best = cand
+        return best
+
+
+class FrameDecoder2:
+    """Decodes ``xor-sparse2`` and ``raw-planes`` frames. Not thread-safe: one per thread."""
+
+    def __init__(self, *, max_window_size: int = MAX_WINDOW_SIZE) -> None:
+        self._max_window = max_window_size
+        self._dctx = zstandard.ZstdDecompressor(max_window_size=max_window_size)
+        self._chunk = np.empty(-(-CHUNK_BYTES // 8) * 8, dtype=np.uint8)
+
+    def _content_size(self, data: bytes, lo: int, hi: int, codec: str) -> int:
+        """The frame's declared content size, after the checks of spec section 8.1 and 8.3."""
+        try:
+            params = zstandard.get_frame_parameters(data)
+        except zstandard.ZstdError as exc:
+            raise FrameError(f"not a zstd frame ({exc})") from None
+        size = int(params.content_size)
+        if size == zstandard.CONTENTSIZE_UNKNOWN or not lo <= size <= hi:
+            raise FrameError(
+                f"{codec} zstd frame declares {size} content bytes, outside the [{lo}, {hi}] "
+                "its manifest entry allows"
+            )
+        if params.dict_id:
+            raise FrameError(f"{codec} zstd frame names a dictionary ({params.dict_id})")
+        if params.window_size > self._max_window:
+            raise FrameError(
+                f"{codec} zstd frame asks for a {params.window_size}-byte window, more than "
+                f"the {self._max_window} this reader allows"
+            )
+        if _frame_length(data) != len(data):
+            raise FrameError("a stored frame must be exactly one zstd frame (extra bytes follow)")
+        return size
+
+    def sparse2(
+        self, data: bytes, n: int, size: int, changed: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Decode ``xor-sparse2``: (frame-local int64 positions, unsigned XOR masks)."""
+        if not 1 <= n <= MAX_SPARSE2_ELEMENTS or not 0 <= changed <= n:
+            raise FrameError(
+                f"an xor-sparse2 frame covers 1 to 2^32 - 1 elements with at most as many "
+                f"changes (n={n}, changed={changed})"
+            )
+        lo, hi = sparse2_bounds(n, size, changed)
+        content = self._content_size(data, lo, hi, XOR_SPARSE2)
+        if not sparse2_possible(content, n, size, changed):
+            raise FrameError(
+                f"xor-sparse2 zstd frame declares {content} content bytes, not a size an "
+                f"xor-sparse2 frame of {changed} changes can have"
+            )
+        try:
+            raw = self._dctx.decompress(data)
+        except zstandard.ZstdError as exc:
+            raise FrameError(f"xor-sparse2 frame does not decompress ({exc})") from None
+        if len(raw) != content:
+            raise FrameError(f"xor-sparse2 frame holds {len(raw)} bytes, not {content}")
+        k, e, low_bits, reserved = _HEADER.unpack_from(raw, 0)
+        if reserved != b"\0\0\0" or low_bits > MAX_LOW_BITS or e > max_escapes(n, k):
+            raise FrameError(
+                f"xor-sparse2 header is invalid (L={low_bits}, {e} escapes of {k} changes, "
+                f"reserved {reserved.hex()})"
+            )
+        if k != changed or len(raw) != sparse2_size(k, size, low_bits, e):
+            raise FrameError(
+                f"xor-sparse2 frame holds {k} changes in {len(raw)} bytes; "
+                f"its manifest entry declares {changed}"
+            )
+        if k == 0:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=word_dtype(size))
+        tokens = np.frombuffer(raw, dtype=np.uint8, count=k, offset=SPARSE2_HEADER)
+        offset = SPARSE2_HEADER + k
+        width = _low_width(low_bits)
+        low = _unplanes(raw, offset, k, width, np.dtype("<u4")) if width > 1 else None
+        if width == 1:
+            low = np.frombuffer(raw, dtype=np.uint8, count=k, offset=offset)
+        offset += width * k
+        if low is not None and int(low.max()) >> low_bits:
+            raise FrameError(f"xor-sparse2 low part does not fit its {low_bits} bits")
+        shift = np.uint64(low_bits)
+        if e:
+            at = np.flatnonzero(tokens == ESCAPE)
+            if at.size != e:
+                raise FrameError(f"xor-sparse2 frame has {at.size} escape tokens and {e} escapes")
+            gaps = tokens.astype(np.uint64)  # the high parts first
+            gaps[at] += _unplanes(raw, offset, e, 4)
+            top = int(gaps.max())
+            if top <= (n - 1) >> low_bits:
+                gaps <<= shift
+        else:
+            top = int(tokens.max())
+            if top == ESCAPE:
+                raise FrameError("xor-sparse2 frame has escape tokens and no escapes")
+            gaps = np.left_shift(tokens, shift, dtype=np.uint64)
+        offset += 4 * e
+        if top > (n - 1) >> low_bits:
+            raise FrameError("xor-sparse2 gap points past the end of the frame")
+        if low is not None:
+            gaps |= low
+        # every gap is below (top + 1) << L; if k of them could wrap a 64-bit sum (only for
+        # billions of changes in one frame), check each gap against the frame first
+        if k * ((top + 1) << low_bits) >= 1 << 64 and int(gaps.max()) >= n:
+            raise FrameError("xor-sparse2 gap points past the end of the frame")
+        # positions: pos[0] = gap[0], pos[i] = pos[i - 1] + 1 + gap[i]
+        gaps += np.uint64(1)
+        gaps[0] -= np.uint64(1)
+        positions = np.cumsum(gaps, out=gaps)
+        if int(positions[-1]) >= n:
+            raise FrameError(
+                f"xor-sparse2 position {int(positions[-1])} is past the frame's {n} elements"
+            )
+        masks = _unplanes(raw, offset, k, size)
+        if not masks.all():
+            raise FrameError("xor-sparse2 frame holds a zero mask (an element that did not change)")
+        return positions.view(np.int64), masks
+
+    def planes_into(self, data: bytes, out: np.ndarray) -> None:
+        """Decode a ``raw-planes`` frame into ``out`` (contiguous unsigned words, exactly the
+        frame's elements), streaming plane by plane through a 1 MiB buffer."""
+        if not out.flags.c_contiguous:
+            raise ValueError("out must be contiguous")
+        size = out.dtype.itemsize
+        n = int(out.size)
+        dst = out.reshape(-1).view(np.uint8).reshape(n, size)
+        self._content_size(data, n * size, n * size, RAW_PLANES)
+        try:
+            with self._dctx.stream_reader(data, read_across_frames=False) as reader:
+                for j in range(size):
+                    for a in range(0, n, CHUNK_BYTES):
+                        m = min(CHUNK_BYTES, n - a)
+                        self._read_full(reader, self._chunk.data[:m])
+                        dst[a : a + m, j] = self._chunk[:m]
+                if reader.read(1):  # also makes zstd check the frame's end and checksum
+                    raise FrameError("raw-planes frame holds more than its declared content")
+        except zstandard.ZstdError as exc:
+            raise FrameError(f"raw-planes frame does not decompress ({exc})") from None
+
+    def planes_chunks(self, data: bytes, n: int, size: int) -> Iterator[tuple[int, np.ndarray]]:
+        """Decode a ``raw-planes`` frame as ``(first_element, words)`` chunks of at most 1 MiB
+        (in element order). The whole content (``n * size`` bytes, its declared size) is
+        decompressed first; each yielded array is a view of a reused buffer, valid until the
+        next step."""
+        self._content_size(data, n * size, n * size, RAW_PLANES)
+        try:
+            raw = self._dctx.decompress(data)
+        except zstandard.ZstdError as exc:
+            raise FrameError(f"raw-planes frame does not decompress ({exc})") from None
+        if len(raw) != n * size:
+            raise FrameError(f"raw-planes frame holds {len(raw)} bytes, not {n * size}")
+        planes = np.frombuffer(raw, dtype=np.uint8).reshape(size, n)
+        step = max(1, min(CHUNK_BYTES, self._chunk.size) // size)
+        words = self._chunk.view(word_dtype(size))
+        for first in range(0, n, step):
+            m = min(step, n - first)
+            dst = self._chunk[: m * size].reshape(m, size)
+            for j in range(size):
+                dst[:, j] = planes[j, first : first + m]
+            yield first, words[:m]
+
+    @staticmethod
+    def _read_full(reader: zstandard.ZstdDecompressionReader, view: memoryview) -> None:
+        done = 0
+        while done < view.nbytes:
+            got = reader.readinto(view[done:])
+            if not got:
+                raise FrameError(
+                    f"frame ended after {done} of {view.nbytes} bytes (truncated frame)"
+                )
+            done += got
+
+
+__all__ = [
+    "BLOCKS_MIN_CHANGES",
+    "CODECS_V2",
+    "DEFAULT_PARAMS",
+    "ESCAPE",
+    "LOW_BITS_BIAS",
+    "MAX_LOW_BITS",
+    "MAX_SPARSE2_ELEMENTS",
+    "RAW_PLANES",
+    "SPARSE2_HEADER",
+    "V1_MAX_CHANGES",
+    "XOR_DENSE",
+    "XOR_SPARSE",
+    "XOR_SPARSE2",
+    "Codec2",
+    "FrameDecoder2",
+    "FrameEncoder2",
+    "choose_low_bits",
+    "max_escapes",
+    "sparse2_bounds",
+    "sparse2_possible",
+    "sparse2_size",
+    "stored_bound",
+]
