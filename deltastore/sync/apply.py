@@ -80,6 +80,12 @@ class Sums:
         (:func:`~deltastore.format.checksum.shift_to_outer`)."""
         return Sums(*shift_to_outer(self.da, self.db, inner_bytes, inner_offset, outer_bytes))
 
+    def within(self, inner_bytes: int, inner_offset: int, outer_bytes: int) -> Sums:
+        """The inverse of :meth:`shift`: sums of an ``outer_bytes``-byte tensor whose changes
+        all lie in its ``inner_bytes`` bytes from ``inner_offset``, as sums of that frame."""
+        back = (outer_bytes - inner_offset - inner_bytes) % MOD
+        return Sums(self.da, (self.db - back * self.da) % MOD)
+
     def weighted(self, weight: int) -> Sums:
         """The sums times ``weight`` (mod 65521; the inverse of an element's copy count)."""
         return Sums(self.da * weight % MOD, self.db * weight % MOD)
@@ -94,8 +100,9 @@ class Update:
     """Staged words of one local tensor (read, not yet written).
 
     ``local``: the local tensor's name; ``positions``: ascending flat element indices relative
-    to element ``start`` of the tensor (int32/int64, or :func:`~deltastore.tensors.words.compact`
-    gaps); ``old`` / ``new``: the unsigned words there now and after the write."""
+    to element ``start`` of the tensor (int64, int32 (:func:`~deltastore.tensors.words.narrow`),
+    or :func:`~deltastore.tensors.words.compact` gaps); ``old`` / ``new``: the unsigned words
+    there now and after the write."""
 
     local: str
     start: int

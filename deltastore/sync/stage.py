@@ -20,14 +20,14 @@ from deltastore.format.dtypes import itemsize
 from deltastore.format.manifest import Manifest
 from deltastore.sync.apply import Sums, Update, contribution, stage_at, stage_run
 from deltastore.sync.fetch import FrameTask
-from deltastore.tensors.words import compact
+from deltastore.tensors.words import narrow
 
 
 @dataclass(frozen=True)
 class Staged:
-    """One frame staged against its local tensor: the ``update`` (positions relative to the
-    frame's start, as :func:`~deltastore.tensors.words.compact` gaps), its Adler-32 contribution
-    ``sums`` to the whole tensor, and ``frame_adler``, the Adler-32 of the frame's new bytes
+    """One frame staged against its local tensor: the ``update`` (flat positions in the tensor,
+    :func:`~deltastore.tensors.words.narrow`), its Adler-32 contribution ``sums`` to the whole
+    tensor, and ``frame_adler``, the Adler-32 of the frame's new bytes
     (checked against the manifest already)."""
 
     update: Update
@@ -62,7 +62,12 @@ def stage_frame(
     tensor's flat words; reads only), checked against the frame's Adler-32: for sparse changes
     ``parent_adler32`` updated with them (O(changed)), for dense runs the new bytes themselves.
     In a ``delta``, the number of elements a dense frame changes must be its ``changed`` (an
-    anchor may land on any older state). Thread-safe for distinct decoders."""
+    anchor may land on any older state). Thread-safe for distinct decoders.
+
+    One pass per step over a sparse frame's changes: the decoder's int64 positions are moved to
+    the tensor in place, the old words gathered with them, the new ones XORed into the decoded
+    masks, the Adler-32 contribution computed at the tensor (the frame's follows from it), and
+    the positions kept :func:`~deltastore.tensors.words.narrow` for the write."""
     name, entry, f = task.name, task.entry, task.frame
     size = itemsize(entry.dtype)
     n = f.stop - f.start
@@ -70,24 +75,31 @@ def stage_frame(
     frame_adler: int | None = 1  # None: from parent_adler32 and the sums (sparse changes)
     for ch in dec.changes(f.codec, data, n, size, f.changed):
         if ch.positions is not None:  # every position changes
-            old, new = stage_at(local, ch.positions + f.start, ch.words, xor=True)
-            parts.append((ch.positions, old, new))
+            at = ch.positions
+            if at.dtype != np.int64 or not at.flags.owndata or not at.flags.writeable:
+                at = at.astype(np.int64)  # ours to move: never the decoder's buffer
+            if f.start:
+                at += f.start
+            old, new = stage_at(local, at, ch.words, xor=True)
+            parts.append((at, old, new))
             frame_adler = None
             continue
         old, new = stage_run(local, f.start + ch.first, ch.words, xor=ch.xor)
         if frame_adler is not None:
             frame_adler = adler32(new, frame_adler)
         idx = dec.nonzero(ch.words if ch.xor else ch.words ^ old)
-        parts.append((idx + ch.first, old[idx], new[idx]))
+        parts.append((idx + (f.start + ch.first), old[idx], new[idx]))
     if len(parts) == 1:
         pos, old, new = parts[0]
     else:
         pos, old, new = (np.concatenate(p) for p in zip(*parts, strict=True))
-    sums = contribution(pos, old, new, n * size)
+    sums = contribution(pos, old, new, entry.nbytes)  # of the tensor
     if frame_adler is None:
         if f.parent_adler32 is None:
             raise ManifestError(f"{name}: xor-sparse frame without parent_adler32")
-        frame_adler = sums.applied_to(f.parent_adler32)
+        frame_adler = sums.within(n * size, f.start * size, entry.nbytes).applied_to(
+            f.parent_adler32
+        )
     elif delta and pos.size != f.changed:  # an anchor may land on any older state
         raise FrameError(
             f"{name}[{f.start}:{f.stop}]: frame changes {pos.size} elements, "
@@ -99,8 +111,8 @@ def stage_frame(
             f"the manifest says {f.adler32:08x}; the tensors are not at the frame's parent "
             "or the frame is damaged"
         )
-    update = Update(name, f.start, compact(pos), old, new)
-    return Staged(update, sums.shift(n * size, f.start * size, entry.nbytes), frame_adler)
+    update = Update(name, 0, narrow(pos, f.stop), old, new)
+    return Staged(update, sums, frame_adler)
 
 
 __all__ = ["Staged", "check_frames", "stage_frame"]

@@ -2,6 +2,12 @@
 
 Positions are int32 or int64 flat element indices; values are unsigned little-endian words. Not
 thread-safe for writes to the same tensor.
+
+numpy indexes with int64 (intp) positions only: it converts any other index array to int64
+first, a whole-array copy (int32 scatters were ~35% slower than int64 ones on 2M changes). Staged
+positions are kept narrow (:func:`narrow`: int32, 4 bytes per change instead of 8, for the
+memory bar of docs/performance.md) and :func:`scatter` converts them :data:`STEP` at a time
+into one reused int64 buffer that stays in cache (~15% over an int64 scatter instead of 35%).
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ import numpy as np
 import torch
 
 from deltastore.format.dtypes import signed_word_dtype
+
+#: Positions converted to int64 per step when scattering narrower ones (512 KiB: in L2).
+STEP = 1 << 16
+INT32_MAX = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -51,13 +61,29 @@ def gather_range(local: torch.Tensor, start: int, count: int, wdt: np.dtype[Any]
 
 
 def scatter(local: torch.Tensor, positions: np.ndarray, values: np.ndarray) -> None:
-    positions = positions.astype(np.int64, copy=False)  # numpy indexes 2-3x faster with intp
+    """Write ``values`` (unsigned words) at ``positions`` (int64, int32 or :func:`compact` gaps)
+    of ``local``; narrow positions are widened :data:`STEP` at a time on the CPU."""
     if local.device.type == "cpu":
-        local.numpy().view(values.dtype)[positions] = values
+        dest = local.numpy().view(values.dtype)
+        if positions.dtype == np.intp:
+            dest[positions] = values
+            return
+        buf = np.empty(min(STEP, positions.size), dtype=np.intp)
+        gaps, base = positions.dtype.kind == "u", 0
+        for lo in range(0, positions.size, STEP):
+            part = positions[lo : lo + STEP]
+            idx = buf[: part.size]
+            if gaps:
+                np.cumsum(part, out=idx)
+                idx += base
+                base = int(idx[-1])
+            else:
+                idx[:] = part
+            dest[idx] = values[lo : lo + STEP]
         return
-    idx = torch.from_numpy(positions).to(local.device, torch.int64)
+    at = torch.from_numpy(expand(positions)).to(local.device, torch.int64)
     vals = torch.from_numpy(values.view(signed(values.dtype.itemsize))).to(local.device)
-    local.index_copy_(0, idx, vals)
+    local.index_copy_(0, at, vals)
 
 
 def scatter_range(local: torch.Tensor, start: int, values: np.ndarray) -> None:
@@ -67,6 +93,12 @@ def scatter_range(local: torch.Tensor, start: int, values: np.ndarray) -> None:
         return
     vals = torch.from_numpy(values.view(signed(values.dtype.itemsize)))
     local[start : start + values.size].copy_(vals)
+
+
+def narrow(positions: np.ndarray, numel: int) -> np.ndarray:
+    """Flat int64 ``positions`` (each below ``numel``) as int32 when ``numel`` allows, else as
+    they are: how staged positions are kept until the write (see the module docstring)."""
+    return positions.astype(np.int32) if numel <= INT32_MAX else positions
 
 
 def compact(positions: np.ndarray) -> np.ndarray:
@@ -88,14 +120,15 @@ def write_all(writes: Sequence[Write]) -> None:
     fails, every write started (the failing one included) gets its old words back before the
     error is re-raised.
 
-    Positions given as :func:`compact` gaps are expanded one write at a time. Restoring writes
+    Narrow positions (:func:`narrow`, :func:`compact` gaps) are widened in steps by
+    :func:`scatter`. Restoring writes
     the old words, so it is idempotent: a write that failed halfway is undone like a complete
     one. The pause is pure scatters."""
     done = 0
     try:
         for w in writes:
             done += 1  # before the write: one that fails halfway is undone too
-            scatter(w.local, expand(w.positions), w.new)
+            scatter(w.local, w.positions, w.new)
     except BaseException:
         restore_all(writes[:done])
         raise
@@ -104,4 +137,4 @@ def write_all(writes: Sequence[Write]) -> None:
 def restore_all(writes: Sequence[Write]) -> None:
     """Put the old words of ``writes`` back (:func:`scatter`), newest first."""
     for w in reversed(writes):
-        scatter(w.local, expand(w.positions), w.old)
+        scatter(w.local, w.positions, w.old)
