@@ -1,7 +1,7 @@
 """Codec lab: payload bytes per changed element, anchor size and codec speed, old vs new.
 
 Measures format v1's ``xor-sparse``/``raw`` (``deltastore.format.codecs``) against the 0.2.0
-draft's ``xor-sparse2``/``raw-planes`` (``deltastore.format.codecs_v2``) on the versions of the
+codecs ``xor-sparse2``/``raw-planes`` (``deltastore.format.codecs.v2``) on the versions of the
 benchmark workload, cut into frames as the publisher cuts tensors (``max_frame_bytes``, default
 16 MiB, per tensor), and prints the entropy floors beside them:
 
@@ -43,10 +43,9 @@ from typing import Any
 
 import numpy as np
 
-from deltastore.format.codecs import FrameDecoder, FrameEncoder
-from deltastore.format.codecs_v2 import (
+from deltastore.format.codecs import XOR_DENSE, FrameDecoder, FrameEncoder
+from deltastore.format.codecs.v2 import (
     RAW_PLANES,
-    XOR_DENSE,
     XOR_SPARSE2,
     FrameDecoder2,
     FrameEncoder2,
@@ -253,7 +252,7 @@ def _v1_delta(enc: FrameEncoder, f: Frame) -> tuple[str, bytes]:
     return enc.encode_delta(f.old, f.new, f.positions, masks=f.masks)
 
 
-def _v2_delta(enc: FrameEncoder2, f: Frame) -> tuple[str, bytes]:
+def _v2_delta(enc: FrameEncoder, f: Frame) -> tuple[str, bytes]:
     return enc.encode_delta(f.old, f.new, f.positions, masks=f.masks)
 
 
@@ -262,7 +261,7 @@ def delta_candidates(variants: bool) -> list[tuple[str, Encode, bool]]:
     sparse codecs alone at other zstd levels and ``L`` biases (sizes only)."""
     out: list[tuple[str, Encode, bool]] = [
         ("v1 encode_delta, zstd 1 (today)", partial(_v1_delta, FrameEncoder(1)), True),
-        ("v2 encode_delta, DEFAULT_PARAMS", partial(_v2_delta, FrameEncoder2()), True),
+        ("v2 encode_delta, DEFAULT_PARAMS", partial(_v2_delta, FrameEncoder(codecs="v2")), True),
     ]
     if variants:
         for level in (3, 9):

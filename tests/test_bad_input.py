@@ -35,6 +35,7 @@ from deltastore.errors import (
     WrongParentError,
 )
 from deltastore.format.checksum import adler32
+from deltastore.format.codecs import CodecSet
 from deltastore.format.manifest import manifest_key, state_digest
 from deltastore.store.base import validate_key
 from deltastore.tensors.dtypes import np_words
@@ -95,17 +96,30 @@ class Template:
     v2: dict[str, torch.Tensor]
 
 
-@pytest.fixture(scope="module")
-def template(tmp_path_factory: pytest.TempPathFactory) -> Template:
-    """Publish v1 and v2 once; every test works on its own copy of this store."""
-    store = tmp_path_factory.mktemp("template") / "store"
+def make_template(tmp_path_factory: pytest.TempPathFactory, codecs: CodecSet) -> Template:
+    store = tmp_path_factory.mktemp(f"template-{codecs}") / "store"
     v1, v2 = make_versions()
-    pub = Publisher(store, max_frame_bytes=MAX_FRAME_BYTES, max_object_bytes=4096)
+    pub = Publisher(store, max_frame_bytes=MAX_FRAME_BYTES, max_object_bytes=4096, codecs=codecs)
     assert pub.publish(v1, version=1).kind == "anchor"
     report = pub.publish(v2, version=2)
     assert report.kind == "delta"
     assert 0 < report.changed_elements < report.total_elements
     return Template(store, v1, v2)
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Template:
+    """Publish v1 and v2 once with the 0.1.0 codecs (``raw`` anchor, ``xor-sparse`` and
+    ``xor-dense`` frames, which the tests below target by name); every test works on its own
+    copy of this store."""
+    return make_template(tmp_path_factory, "v1")
+
+
+@pytest.fixture(scope="module")
+def template_v2(tmp_path_factory: pytest.TempPathFactory) -> Template:
+    """The same versions published with the 0.2.0 codecs (the publisher's default:
+    ``raw-planes`` anchor frames, ``xor-sparse2`` delta frames)."""
+    return make_template(tmp_path_factory, "v2")
 
 
 @dataclass
@@ -146,14 +160,23 @@ class World:
         shutil.copytree(self.template.store, self.store)
 
 
-@pytest.fixture
-def world(template: Template, tmp_path: Path) -> World:
+def make_world(template: Template, tmp_path: Path) -> World:
     store = tmp_path / "store"
     shutil.copytree(template.store, store)
     sub = Subscriber(store, max_workers=3)
     assert sub.sync(1).version == 1
     assert_bits(clone_bits(template.v1), sub.tensors)
     return World(store, template, sub, clone_bits(sub.tensors))
+
+
+@pytest.fixture
+def world(template: Template, tmp_path: Path) -> World:
+    return make_world(template, tmp_path)
+
+
+@pytest.fixture
+def world_v2(template_v2: Template, tmp_path: Path) -> World:
+    return make_world(template_v2, tmp_path)
 
 
 def expect_sync_error(

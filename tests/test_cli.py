@@ -434,7 +434,41 @@ def test_anchor_flag_forces_an_anchor_with_a_current_state(
     shown = ok_json("show", store, "2")
     assert shown["kind"] == "anchor" and shown["parent"]["version"] == 1
     assert set(shown["tensors"]) == set(load_folder(sources[1]))
-    assert all(f["codec"] == "raw" for t in shown["tensors"].values() for f in t["frames"])
+    assert all(
+        f["codec"] in ("raw", "raw-planes") for t in shown["tensors"].values() for f in t["frames"]
+    )
+
+
+def test_publish_codecs_v1_writes_only_the_0_1_0_codecs(
+    tmp_path: Path, sources: list[Path]
+) -> None:
+    """``--codecs v1`` (for receivers older than 0.2.0): every frame, anchor and delta, is
+    raw, xor-dense or xor-sparse; the default writes the 0.2.0 codecs."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    for i, src in enumerate(sources[:2], start=1):
+        ok(
+            "publish",
+            old,
+            src,
+            "--version",
+            str(i),
+            "--state-dir",
+            tmp_path / "s1",
+            "--codecs",
+            "v1",
+        )
+        ok("publish", new, src, "--version", str(i), "--state-dir", tmp_path / "s2")
+    for store, allowed in ((old, {"raw", "xor-dense", "xor-sparse"}), (new, None)):
+        used = set()
+        for v in ("1", "2"):
+            shown = ok_json("show", store, v)
+            used |= {f["codec"] for t in shown["tensors"].values() for f in t["frames"]}
+        if allowed is not None:
+            assert used <= allowed, used
+        else:
+            assert used & {"xor-sparse2", "raw-planes"}, used
+    bad = cli("publish", old, sources[2], "--version", "3", "--codecs", "v3")
+    assert bad.exit_code != 0
 
 
 def test_default_state_dir_is_under_xdg_cache(

@@ -28,12 +28,15 @@ from deltastore.format.codecs import (
     CHUNK_BYTES,
     MAX_WINDOW_SIZE,
     RAW,
+    RAW_PLANES,
     SPARSE_HEADER,
     XOR_DENSE,
     XOR_SPARSE,
+    XOR_SPARSE2,
     FrameDecoder,
     FrameEncoder,
 )
+from deltastore.format.codecs.v2 import FrameEncoder2, sparse2_bounds
 from deltastore.format.dtypes import word_dtype
 
 SIZES = [1, 2, 4, 8]
@@ -235,7 +238,7 @@ def test_encode_delta_reproduces_new(p: tuple[int, int, int, int]) -> None:
     old, new, positions, masks = random_change(seed, n, size, k)
     enc = FrameEncoder()
     codec, data = enc.encode_delta(old, new, positions)
-    assert codec in codecs.CODECS
+    assert codec in codecs.CODECS_V1
     dec = FrameDecoder()
     out = old.copy()
     if codec == XOR_SPARSE:
@@ -623,9 +626,11 @@ def test_float_equal_changes_are_published(dtype_name: str, tmp_path: Path) -> N
     assert bits(sub2.tensors["z"]).numpy().view(wdt).tolist() == neg.tolist()
 
 
-def test_delta_codec_choice_end_to_end(tmp_path: Path) -> None:
-    """The publisher's own choice: few changes -> xor-sparse, a tensor that becomes one
-    constant -> raw; both decode bit-exactly."""
+@pytest.mark.parametrize("codec_set", ["v1", "v2"])
+def test_delta_codec_choice_end_to_end(tmp_path: Path, codec_set: str) -> None:
+    """The publisher's own choice: few changes -> xor-sparse (``"v2"``: or xor-sparse2), a
+    tensor that becomes one constant -> raw (``"v2"``: raw-planes); both decode bit-exactly.
+    ``codecs="v1"`` writes only the 0.1.0 codecs, anchor included."""
     rng = np.random.default_rng(11)
     n = 20_000
     v1_words = {k: rng.integers(0, 1 << 16, n, dtype=np.uint16) for k in ("s", "r")}
@@ -634,13 +639,20 @@ def test_delta_codec_choice_end_to_end(tmp_path: Path) -> None:
     v2_words["r"][:] = 0x7FC0  # every element becomes the same NaN
     v1 = {k: tensor_of(w, torch.bfloat16, (n,)) for k, w in v1_words.items()}
     v2 = {k: tensor_of(w, torch.bfloat16, (n,)) for k, w in v2_words.items()}
-    pub = Publisher(tmp_path, max_frame_bytes=8192)
+    pub = Publisher(tmp_path, max_frame_bytes=8192, codecs=codec_set)  # type: ignore[arg-type]
     pub.publish(v1, version=1)
     report = pub.publish(v2, version=2)
-    assert set(report.codecs) == {XOR_SPARSE, RAW}
     manifest = Subscriber(tmp_path).manifest(2)
-    assert {f.codec for f in manifest.tensors["s"].frames} == {XOR_SPARSE}
-    assert {f.codec for f in manifest.tensors["r"].frames} == {RAW}
+    sparse = {f.codec for f in manifest.tensors["s"].frames}
+    replaced = {f.codec for f in manifest.tensors["r"].frames}
+    anchor = {f.codec for t in Subscriber(tmp_path).manifest(1).tensors.values() for f in t.frames}
+    if codec_set == "v1":
+        assert set(report.codecs) == {XOR_SPARSE, RAW}
+        assert sparse == {XOR_SPARSE} and replaced == {RAW} and anchor == {RAW}
+    else:
+        assert sparse <= {XOR_SPARSE, XOR_SPARSE2} and replaced == {RAW_PLANES}
+        # random 16-bit words hardly shrink: raw-planes only where it is smaller, else raw
+        assert anchor <= {RAW, RAW_PLANES}
     mine = {k: t.clone() for k, t in v1.items()}
     Subscriber(tmp_path, tensors=mine, version=1).sync()
     assert_bit_equal(v2, mine)
@@ -696,40 +708,56 @@ def test_changes_of_every_codec_rebuild_the_new_words(params: tuple[int, int, in
     size, n, k, seed = params
     old, new, positions, masks = random_change(seed, n, size, k)
     enc, dec = FrameEncoder(), FrameDecoder()
+    v2 = FrameEncoder2()
     frames = {
         RAW: enc.raw(new),
         XOR_DENSE: enc.xor_dense(old ^ new),
         XOR_SPARSE: enc.xor_sparse(positions, masks),
+        XOR_SPARSE2: v2.xor_sparse2(positions, masks),
+        RAW_PLANES: v2.raw_planes(new),
     }
+    assert set(frames) == set(codecs.CODECS)
     for codec, data in frames.items():
         assert np.array_equal(apply_changes(dec, codec, data, old, k), new), codec
+    for codec in codecs.NEW_WORDS_CODECS:
+        out = np.empty_like(new)
+        dec.decode_into(codec, frames[codec], out)
+        assert np.array_equal(out, new), codec
 
 
 def test_changes_are_sparse_for_xor_sparse_and_dense_runs_otherwise() -> None:
     old, new, positions, masks = random_change(7, 5000, 2, 40)
     enc, dec = FrameEncoder(), FrameDecoder()
-    (sparse,) = dec.changes(XOR_SPARSE, enc.xor_sparse(positions, masks), 5000, 2, 40)
-    assert sparse.positions is not None and np.array_equal(sparse.positions, positions)
-    assert np.array_equal(sparse.words, masks) and sparse.xor
+    v2 = FrameEncoder2()
+    for codec, data in (
+        (XOR_SPARSE, enc.xor_sparse(positions, masks)),
+        (XOR_SPARSE2, v2.xor_sparse2(positions, masks)),
+    ):
+        (sparse,) = dec.changes(codec, data, 5000, 2, 40)
+        assert sparse.positions is not None and np.array_equal(sparse.positions, positions)
+        assert np.array_equal(sparse.words, masks) and sparse.xor
     for codec, data, xor in (
         (RAW, enc.raw(new), False),
         (XOR_DENSE, enc.xor_dense(old ^ new), True),
+        (RAW_PLANES, v2.raw_planes(new), False),
     ):
         runs = [
             (ch.first, ch.words.copy(), ch.xor, ch.positions)
             for ch in dec.changes(codec, data, 5000, 2, 40)
         ]
         assert [r[0] for r in runs] == [0] and all(r[2] is xor and r[3] is None for r in runs)
-        assert np.array_equal(runs[0][1], new if codec == RAW else old ^ new)
+        assert np.array_equal(runs[0][1], old ^ new if xor else new)
 
 
 def test_an_unknown_codec_is_a_frame_error_at_once() -> None:
     dec = FrameDecoder()
     data = FrameEncoder().raw(np.arange(10, dtype=np.uint16))
-    with pytest.raises(FrameError, match="unknown frame codec 'xor-planes'"):
+    with pytest.raises(FrameError, match=r"unknown frame codec 'xor-planes'.*upgrade deltastore"):
         dec.changes("xor-planes", data, 10, 2, 10)
-    with pytest.raises(FrameError, match="unknown frame codec"):
+    with pytest.raises(FrameError, match=r"unknown frame codec.*upgrade deltastore"):
         codecs.content_bound("xor-planes", 10, 2)
+    with pytest.raises(FrameError, match=r"unknown frame codec.*upgrade deltastore"):
+        dec.decode_into("xor-planes", data, np.empty(10, np.uint16))
 
 
 def test_decode_into_takes_only_frames_of_new_words() -> None:
@@ -738,9 +766,13 @@ def test_decode_into_takes_only_frames_of_new_words() -> None:
     out = np.empty_like(words)
     dec.decode_into(RAW, enc.raw(words), out)
     assert np.array_equal(out, words)
+    out2 = np.empty_like(words)
+    dec.decode_into(RAW_PLANES, FrameEncoder2().raw_planes(words), out2)
+    assert np.array_equal(out2, words)
     for codec, data in (
         (XOR_DENSE, enc.xor_dense(words)),
         (XOR_SPARSE, enc.xor_sparse(words[1:3].astype(np.int64), words[1:3])),
+        (XOR_SPARSE2, FrameEncoder2().xor_sparse2(words[1:3].astype(np.int64), words[1:3])),
     ):
         with pytest.raises(FrameError, match="no new words"):
             dec.decode_into(codec, data, out)
@@ -749,6 +781,11 @@ def test_decode_into_takes_only_frames_of_new_words() -> None:
 def test_content_bound_is_the_largest_content_of_each_codec() -> None:
     assert codecs.content_bound(RAW, 1000, 2) == codecs.content_bound(XOR_DENSE, 1000, 2) == 2000
     assert codecs.content_bound(XOR_SPARSE, 1000, 2) == codecs.sparse_bound(1000, 2) == 8 + 6000
+    assert codecs.content_bound(RAW_PLANES, 1000, 2) == 2000
+    # xor-sparse2: the largest content of any changed count (all changed, L = 31, escapes)
+    assert codecs.content_bound(XOR_SPARSE2, 1000, 2) == 12 + 1000 * 7 + 4 * 3
+    for changed in (0, 1, 10, 500, 1000):
+        assert sparse2_bounds(1000, 2, changed)[1] <= codecs.content_bound(XOR_SPARSE2, 1000, 2)
 
 
 def test_changes_keep_the_decoder_limits() -> None:

@@ -1,6 +1,6 @@
-"""The 0.2.0 draft codecs ``xor-sparse2`` and ``raw-planes`` (deltastore.format.codecs_v2):
-round trips, the layout of docs/spec/codecs-v2-draft.md (checked by a plain-Python reading of
-the spec), the writer's choices, and hostile frames.
+"""The 0.2.0 codecs ``xor-sparse2`` and ``raw-planes`` (deltastore.format.codecs.v2): round
+trips, the layout of docs/spec/format-v1.md section 8.2 (checked by a plain-Python reading of
+the spec), the writer's choices (``FrameEncoder(codecs="v2")``), and hostile frames.
 
 Arrays come from numpy generators seeded by hypothesis; tensors are compared as integer words.
 """
@@ -20,9 +20,17 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from deltastore.errors import DeltastoreError, FrameError
-from deltastore.format import codecs_v2
-from deltastore.format.codecs import MAX_WINDOW_SIZE, FrameDecoder
-from deltastore.format.codecs_v2 import (
+from deltastore.format.codecs import (
+    MAX_WINDOW_SIZE,
+    XOR_DENSE,
+    XOR_SPARSE,
+    FrameDecoder,
+    FrameEncoder,
+)
+from deltastore.format.codecs import (
+    v2 as codecs_v2,
+)
+from deltastore.format.codecs.v2 import (
     DEFAULT_PARAMS,
     ESCAPE,
     MAX_LOW_BITS,
@@ -30,8 +38,6 @@ from deltastore.format.codecs_v2 import (
     RAW_PLANES,
     SPARSE2_HEADER,
     V1_MAX_CHANGES,
-    XOR_DENSE,
-    XOR_SPARSE,
     XOR_SPARSE2,
     FrameDecoder2,
     FrameEncoder2,
@@ -42,6 +48,7 @@ from deltastore.format.codecs_v2 import (
     sparse2_size,
     stored_bound,
 )
+from deltastore.format.codecs.zstdframe import frame_length
 from deltastore.format.dtypes import word_dtype
 
 SIZES = [1, 2, 4, 8]
@@ -98,7 +105,7 @@ def word(raw: bytes, offset: int, count: int, i: int, width: int) -> int:
 
 
 def spec_decode(raw: bytes, n: int, size: int) -> tuple[list[int], list[int]]:
-    """A plain reading of the xor-sparse2 layout (docs/spec/codecs-v2-draft.md), one change at
+    """A plain reading of the xor-sparse2 layout (spec section 8.2.4), one change at
     a time, for valid contents only."""
     k, e, low_bits = struct.unpack_from("<IIB", raw)
     assert raw[9:12] == b"\0\0\0"
@@ -401,7 +408,7 @@ def test_encode_delta_reproduces_new(p: tuple[int, int, int, int]) -> None:
         return
     old, new, positions, masks = random_change(seed, n, size, k)
     enc = FrameEncoder2()
-    codec, data = enc.encode_delta(old, new, positions)
+    codec, data = FrameEncoder(codecs="v2").encode_delta(old, new, positions)
     np.testing.assert_array_equal(decode_any(codec, data, old, k), new)
     # the choice is the smallest of the candidates tried
     assert len(data) <= len(enc.xor_sparse2(positions, masks))
@@ -412,7 +419,7 @@ def test_encode_delta_reproduces_new(p: tuple[int, int, int, int]) -> None:
 
 
 def test_encode_delta_choices() -> None:
-    enc = FrameEncoder2()
+    enc = FrameEncoder(codecs="v2")
     old, new, positions, _ = random_change(3, 1 << 16, 2, 500)
     assert enc.encode_delta(old, new, positions)[0] == XOR_SPARSE2
     # a handful of changes: format v1's xor-sparse (4 header bytes less)
@@ -499,7 +506,7 @@ def test_stored_frames_follow_section_8_1() -> None:
         assert params.content_size != zstandard.CONTENTSIZE_UNKNOWN
         assert params.dict_id == 0
         assert params.window_size <= 1 << DEFAULT_PARAMS.window_log <= MAX_WINDOW_SIZE
-        assert codecs_v2._frame_length(data) == len(data)
+        assert frame_length(data) == len(data)
 
 
 # --- hostile frames ------------------------------------------------------------------------------

@@ -197,26 +197,21 @@ def install(point: str, n: int) -> None:
 
         pipeline.Fetcher.fetch = fetch  # type: ignore[method-assign]
     elif point == "decode":  # after the n-th frame was decoded (anchors: into the files)
-        sparse, into, chunks = FrameDecoder.sparse, FrameDecoder.into, FrameDecoder.chunks
+        # the one codec dispatch: every receiver path decodes through these two, any codec
+        changes, decode_into = FrameDecoder.changes, FrameDecoder.decode_into
 
-        def sparse_(self: Any, *a: Any) -> Any:
-            out = sparse(self, *a)
-            if hit():
-                die()
-            return out
-
-        def into_(self: Any, *a: Any) -> None:
-            into(self, *a)
+        def changes_(self: Any, *a: Any) -> Iterator[Any]:
+            yield from changes(self, *a)
             if hit():
                 die()
 
-        def chunks_(self: Any, *a: Any) -> Iterator[Any]:
-            yield from chunks(self, *a)
+        def decode_into_(self: Any, *a: Any) -> None:
+            decode_into(self, *a)
             if hit():
                 die()
 
-        FrameDecoder.sparse, FrameDecoder.into = sparse_, into_  # type: ignore[method-assign]
-        FrameDecoder.chunks = chunks_  # type: ignore[method-assign]
+        FrameDecoder.changes = changes_  # type: ignore[method-assign]
+        FrameDecoder.decode_into = decode_into_  # type: ignore[method-assign]
     elif point == "verified":  # every frame and tensor verified, nothing written yet
         write_all = words.write_all
 

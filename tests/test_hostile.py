@@ -40,7 +40,7 @@ garbage, truncated frames                  test_codecs::test_garbage_is_refused,
                                            test_truncated_frames_are_refused
 invalid ``xor-sparse`` bodies              test_codecs::test_invalid_xor_sparse_...       14
 schema-invalid manifests                   test_schema::test_invalid_examples_...         23
-JSON text and invariants beyond the schema test_schema::test_examples_beyond_the_...        8
+JSON text and invariants beyond the schema test_schema::test_examples_beyond_the_...        9
 =========================================  ==========================================  =====
 """
 
@@ -82,7 +82,17 @@ from deltastore.errors import (
     ManifestError,
     TensorMismatchError,
 )
-from deltastore.format.codecs import CODECS, RAW, XOR_DENSE, XOR_SPARSE, FrameDecoder, FrameEncoder
+from deltastore.format.codecs import (
+    CODECS,
+    RAW,
+    RAW_PLANES,
+    XOR_DENSE,
+    XOR_SPARSE,
+    XOR_SPARSE2,
+    FrameDecoder,
+    FrameEncoder,
+)
+from deltastore.format.codecs.v2 import SPARSE2_HEADER, FrameEncoder2, sparse2_bounds
 from deltastore.format.dtypes import word_dtype
 from deltastore.format.manifest import manifest_key, parse_latest, parse_manifest
 from tests.test_bad_input import (  # noqa: F401 - fixtures used by name
@@ -90,7 +100,9 @@ from tests.test_bad_input import (  # noqa: F401 - fixtures used by name
     World,
     expect_sync_error,
     template,
+    template_v2,
     world,
+    world_v2,
 )
 
 #: Hostile inputs tried, by category, and fuzz inputs that were accepted (valid after all):
@@ -183,7 +195,7 @@ def test_reference_table_is_current() -> None:
     """The tests the docstring's table points to exist and have the counted cases."""
     for module, names, count in REFERENCES:
         assert sum(_cases(getattr(module, name)) for name in names) == count, names
-    assert len(test_schema.INVALID) == 23 and len(test_schema.BEYOND) == 8
+    assert len(test_schema.INVALID) == 23 and len(test_schema.BEYOND) == 9
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -550,21 +562,43 @@ def plant_frame(world: World, version: int, tensor: str, index: int, data: bytes
     world.edit_manifest(version, edit)
 
 
+#: target -> (fixture: the store written with the 0.1.0 or the 0.2.0 codecs, version, tensor,
+#: frame index); the frame's codec is the target's last word.
 TARGETS = {
-    "delta xor-sparse": (2, BIG, 1),
-    "delta xor-dense": (2, "lm_head.bias", 0),
-    "anchor raw": (1, "lm_head.bias", 0),
+    "delta xor-sparse": ("world", 2, BIG, 1),
+    "delta xor-dense": ("world", 2, "lm_head.bias", 0),
+    "anchor raw": ("world", 1, "lm_head.bias", 0),
+    "delta xor-sparse2": ("world_v2", 2, BIG, 1),
+    "anchor raw-planes": ("world_v2", 1, BIG, 0),
 }
+
+
+def target_frame(
+    request: pytest.FixtureRequest, target: str
+) -> tuple[World, int, str, int, dict[str, Any]]:
+    """(world, version, tensor, frame index, frame) of a target, its codec checked."""
+    fixture, version, tensor, index = TARGETS[target]
+    world: World = request.getfixturevalue(fixture)
+    frame = world.frames(version, tensor)[index]
+    assert frame["codec"] == target.split()[-1], (target, frame["codec"])
+    return world, version, tensor, index, frame
+
+
+def sparse_body(codec: str, k: int) -> bytes:
+    """A well-formed bf16 body of ``k`` changes (gaps 0, masks 1) of a sparse codec."""
+    if codec == XOR_SPARSE:
+        return k.to_bytes(4, "little") + b"\x01\0\0\0" + bytes(k) + b"\x01" * k + bytes(k)
+    assert codec == XOR_SPARSE2  # <u32 k><u32 e = 0><u8 L = 0>, tokens 0, mask planes
+    return struct.pack("<IIB3x", k, 0, 0) + bytes(k) + b"\x01" * k + bytes(k)
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
 @pytest.mark.parametrize("header", list(ZSTD_HEADERS))
-def test_hostile_zstd_header(world: World, header: str, target: str) -> None:
-    version, tensor, index = TARGETS[target]
-    frame = world.frames(version, tensor)[index]
+def test_hostile_zstd_header(request: pytest.FixtureRequest, header: str, target: str) -> None:
+    world, version, tensor, index, frame = target_frame(request, target)
     n, k = frame["stop"] - frame["start"], frame["changed"]
-    if frame["codec"] == XOR_SPARSE:  # a well-formed body of k changes (gaps 0, masks 1)
-        payload = k.to_bytes(4, "little") + b"\x01\0\0\0" + bytes(k) + b"\x01" * k + bytes(k)
+    if frame["codec"] in (XOR_SPARSE, XOR_SPARSE2):
+        payload = sparse_body(frame["codec"], k)
     else:
         payload = bytes(2 * n)
     plant_frame(world, version, tensor, index, ZSTD_HEADERS[header](payload, len(payload)))
@@ -576,15 +610,16 @@ def test_hostile_zstd_header(world: World, header: str, target: str) -> None:
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
-def test_planted_frame_with_an_honest_header_passes_the_decoder(world: World, target: str) -> None:
+def test_planted_frame_with_an_honest_header_passes_the_decoder(
+    request: pytest.FixtureRequest, target: str
+) -> None:
     """Control for the test above: the same planted body under a well-formed header decodes,
     and is then refused by its Adler-32 (it is not the data the manifest describes), so the
     FrameErrors above come from the headers alone."""
-    version, tensor, index = TARGETS[target]
-    frame = world.frames(version, tensor)[index]
+    world, version, tensor, index, frame = target_frame(request, target)
     n, k = frame["stop"] - frame["start"], frame["changed"]
-    if frame["codec"] == XOR_SPARSE:
-        payload = k.to_bytes(4, "little") + b"\x01\0\0\0" + bytes(k) + b"\x01" * k + bytes(k)
+    if frame["codec"] in (XOR_SPARSE, XOR_SPARSE2):
+        payload = sparse_body(frame["codec"], k)
     else:  # k non-zero words (for xor-dense: k changes, as declared)
         payload = b"\x01\x01" * k + bytes(2 * (n - k))
     plant_frame(world, version, tensor, index, zstd_frame(payload, content_size=len(payload)))
@@ -592,6 +627,59 @@ def test_planted_frame_with_an_honest_header_passes_the_decoder(world: World, ta
         expect_sync_error(world, IntegrityError, "adler")
     else:
         assert "Adler-32" in fresh_sync_fails(world.store, IntegrityError)
+
+
+def _sparse2(k: int, e: int, low_bits: int, body: bytes, reserved: bytes = b"\0\0\0") -> bytes:
+    return struct.pack("<IIB3s", k, e, low_bits, reserved) + body
+
+
+#: xor-sparse2 bodies (bf16, for the frame's k changes) that lie in one way each; planted under
+#: an honest zstd header through the manifest path, each must be a FrameError before anything
+#: is applied.
+SPARSE2_BODIES: dict[str, Callable[[int, int], bytes]] = {
+    "k differs": lambda n, k: _sparse2(
+        k + 1, 0, 0, bytes(k + 1) + b"\x01" * (k + 1) + bytes(k + 1)
+    ),
+    "L = 32": lambda n, k: _sparse2(k, 0, 32, bytes(k) + bytes(4 * k) + b"\x01" * k + bytes(k)),
+    "reserved byte": lambda n, k: _sparse2(k, 0, 0, bytes(k) + b"\x01" * k + bytes(k), b"\0\1\0"),
+    "zero mask": lambda n, k: _sparse2(k, 0, 0, bytes(k) + bytes(2 * k)),
+    "gap past the end": lambda n, k: _sparse2(
+        k, 0, 8, b"\xfe" * k + bytes(k) + b"\x01" * k + bytes(k)
+    ),
+    "escape token, no escape": lambda n, k: _sparse2(
+        k, 0, 0, b"\xff" + bytes(k - 1) + b"\x01" * k + bytes(k)
+    ),
+    "escape past the end": lambda n, k: _sparse2(  # gap 255 + n: past the frame's n
+        k, 1, 0, b"\xff" + bytes(k - 1) + struct.pack("<I", n) + b"\x01" * k + bytes(k)
+    ),
+    "escapes over the bound": lambda n, k: _sparse2(
+        k, k, 0, b"\xff" * k + bytes(4 * k) + b"\x01" * k + bytes(k)
+    ),
+}
+
+
+@pytest.mark.parametrize("body", list(SPARSE2_BODIES))
+def test_hostile_xor_sparse2_body(world_v2: World, body: str) -> None:
+    frame = world_v2.frames(2, BIG)[1]
+    assert frame["codec"] == XOR_SPARSE2
+    n, k = frame["stop"] - frame["start"], frame["changed"]
+    assert k > 1 and n < 1 << 24
+    payload = SPARSE2_BODIES[body](n, k)
+    plant_frame(world_v2, 2, BIG, 1, zstd_frame(payload, content_size=len(payload)))
+    expect_sync_error(world_v2, FrameError, "xor-sparse2")
+    TRIED["frame: xor-sparse2 body"] += 1
+
+
+def test_hostile_raw_planes_anchor_of_another_size(world_v2: World) -> None:
+    """A raw-planes anchor frame whose content is one element short: refused by a fresh
+    subscriber before anything is decoded into its tensors."""
+    frame = world_v2.frames(1, BIG)[0]
+    assert frame["codec"] == RAW_PLANES
+    n = frame["stop"] - frame["start"]
+    payload = bytes(2 * (n - 1))
+    plant_frame(world_v2, 1, BIG, 0, zstd_frame(payload, content_size=len(payload)))
+    fresh_sync_fails(world_v2.store, FrameError)
+    TRIED["frame: raw-planes size"] += 1
 
 
 # --- LATEST and listings: hints that lie are ignored, nothing unexpected is applied -----------
@@ -848,6 +936,12 @@ class _SpyReader:
         assert self._spy.produced <= self._spy.bound, "decoded past the declared size"
         return got
 
+    def read(self, size: int = -1) -> bytes:
+        out = bytes(self._inner.read(size))
+        self._spy.produced += len(out)
+        assert self._spy.produced <= self._spy.bound, "decoded past the declared size"
+        return out
+
 
 class _SpyDctx:
     """Wraps the decoder's zstd context: every decompression must start only after the
@@ -875,6 +969,16 @@ class _SpyDctx:
 
 DECODER = FrameDecoder()
 REAL_DCTX = DECODER._dctx
+REAL_DCTX2 = DECODER._v2._dctx
+
+
+def content_limit(codec: str, n: int, size: int, changed: int) -> int:
+    """The most content bytes a frame's manifest entry allows (spec section 8.3)."""
+    if codec == XOR_SPARSE:
+        return codecs.sparse_bound(n, size)
+    if codec == XOR_SPARSE2:
+        return sparse2_bounds(n, size, changed)[1] if 0 <= changed <= n else 0
+    return n * size
 
 
 def decode_checked(
@@ -882,18 +986,20 @@ def decode_checked(
 ) -> bool:
     """Decode like a subscriber does: True when it decoded (to the declared shape), False on
     FrameError; any other exception fails the test."""
-    bound = codecs.sparse_bound(n, size) if codec == XOR_SPARSE else n * size
+    bound = content_limit(codec, n, size, changed)
     spy = _SpyDctx(REAL_DCTX, bound)
     DECODER._dctx = spy
+    DECODER._v2._dctx = spy  # type: ignore[assignment]
     try:
-        if codec == XOR_SPARSE:
-            pos, masks = DECODER.sparse(data, n, size, changed)
-            assert pos.size == masks.size == changed
+        if codec in (XOR_SPARSE, XOR_SPARSE2):
+            (ch,) = DECODER.changes(codec, data, n, size, changed)
+            pos, masks = ch.positions, ch.words
+            assert pos is not None and pos.size == masks.size == changed
             assert pos.size == 0 or (int(pos[0]) >= 0 and int(pos[-1]) < n)
             assert bool(np.all(np.diff(pos) > 0)) and bool(masks.all())
-        elif codec == RAW:
+        elif codec in (RAW, RAW_PLANES):
             out = np.empty(n, dtype=word_dtype(size))
-            DECODER.into(data, out)
+            DECODER.decode_into(codec, data, out)
         else:
             total = 0
             for first, words in DECODER.chunks(data, n, size):
@@ -904,6 +1010,7 @@ def decode_checked(
         return False
     finally:
         DECODER._dctx = REAL_DCTX
+        DECODER._v2._dctx = REAL_DCTX2
         assert spy.produced <= bound
         TRIED[category] += bool(category)
     ACCEPTED[category] += bool(category)
@@ -918,21 +1025,21 @@ def frame_cases(draw: st.DrawFn, *, mutate: bool) -> tuple[str, bytes, int, int,
     size = draw(st.sampled_from([1, 2, 4, 8]))
     n = draw(st.integers(1, 3000))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    enc = FrameEncoder()
+    enc, enc2 = FrameEncoder(), FrameEncoder2()
     changed = n
-    if codec == XOR_SPARSE:
+    if codec in (XOR_SPARSE, XOR_SPARSE2):
         changed = draw(st.integers(0, n))
         pos = np.sort(rng.choice(n, size=changed, replace=False)).astype(np.int64)
         masks = rng.integers(1, 256, changed).astype(word_dtype(size))
-        data = enc.xor_sparse(pos, masks)
+        data = enc.xor_sparse(pos, masks) if codec == XOR_SPARSE else enc2.xor_sparse2(pos, masks)
     else:
         words = rng.integers(0, 4, n * size, dtype=np.uint8).view(word_dtype(size))
-        data = enc.raw(words) if codec == RAW else enc.xor_dense(words)
+        data = {RAW: enc.raw, XOR_DENSE: enc.xor_dense, RAW_PLANES: enc2.raw_planes}[codec](words)
     if mutate:
         data = draw(mutated_bytes([data]))
         if draw(st.booleans()):
             n = draw(st.integers(1, 4000))
-            changed = draw(st.integers(0, n)) if codec == XOR_SPARSE else n
+            changed = draw(st.integers(0, n)) if codec in (XOR_SPARSE, XOR_SPARSE2) else n
             size = draw(st.sampled_from([1, 2, 4, 8]))
     return codec, data, n, size, changed
 
@@ -962,7 +1069,7 @@ def test_fuzz_decoder_on_random_bytes(
     header: bytes, body: bytes, codec: str, n: int, size: int, magic: bool
 ) -> None:
     data = (struct.pack("<I", 0xFD2FB528) if magic else b"") + header + body
-    changed = min(n, len(body)) if codec == XOR_SPARSE else n
+    changed = min(n, len(body)) if codec in (XOR_SPARSE, XOR_SPARSE2) else n
     decode_checked(codec, data, n, size, changed, "fuzz: decoder, random bytes")
 
 
@@ -993,8 +1100,9 @@ def test_fuzz_decoder_on_hostile_headers(
     if window_log is None and content is None:
         window_log = 20
     data = zstd_frame(payload, content_size=content, window_log=window_log, fcs_bytes=fcs_bytes)
-    changed = min(n, max(0, (len(payload) - codecs.SPARSE_HEADER) // (1 + size)))
-    changed = changed if codec == XOR_SPARSE else n
+    header = SPARSE2_HEADER if codec == XOR_SPARSE2 else codecs.SPARSE_HEADER
+    changed = min(n, max(0, (len(payload) - header) // (1 + size)))
+    changed = changed if codec in (XOR_SPARSE, XOR_SPARSE2) else n
     decode_checked(codec, data, n, size, changed, "fuzz: decoder, hostile headers")
 
 
@@ -1054,7 +1162,7 @@ def test_decoder_under_an_address_space_limit(tmp_path: Path) -> None:
 
 
 def test_valid_frames_decode_to_the_declared_sizes() -> None:
-    """The fuzz harness accepts what it should: a raw, an xor-dense and an xor-sparse frame."""
+    """The fuzz harness accepts what it should: a frame of every codec."""
     enc = FrameEncoder()
     words = np.arange(100, dtype=np.uint16)
     assert decode_checked(RAW, enc.raw(words), 100, 2, 100)
@@ -1062,3 +1170,9 @@ def test_valid_frames_decode_to_the_declared_sizes() -> None:
     pos = np.array([3, 50], dtype=np.int64)
     assert decode_checked(XOR_SPARSE, enc.xor_sparse(pos, np.array([1, 2], np.uint16)), 100, 2, 2)
     assert not decode_checked(RAW, enc.raw(words), 101, 2, 101)
+    enc2 = FrameEncoder2()
+    assert decode_checked(RAW_PLANES, enc2.raw_planes(words), 100, 2, 100)
+    assert not decode_checked(RAW_PLANES, enc2.raw_planes(words), 99, 2, 99)
+    masks = np.array([1, 2], np.uint16)
+    assert decode_checked(XOR_SPARSE2, enc2.xor_sparse2(pos, masks), 100, 2, 2)
+    assert not decode_checked(XOR_SPARSE2, enc2.xor_sparse2(pos, masks), 100, 2, 3)

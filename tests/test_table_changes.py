@@ -206,23 +206,23 @@ def test_a_sharded_folder_is_switched_to_a_single_file_and_back(
 
 def fail_decode(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     """The n-th anchor frame decoded raises (after the ones before it were written)."""
-    into, chunks, calls = FrameDecoder.into, FrameDecoder.chunks, [0]
+    decode_into, changes, calls = FrameDecoder.decode_into, FrameDecoder.changes, [0]
 
     def hit() -> None:
         calls[0] += 1
         if calls[0] == n:
             raise InjectedFault("injected: decode failed")
 
-    def into_(self: FrameDecoder, *args: Any) -> Any:
+    def decode_into_(self: FrameDecoder, *args: Any) -> Any:  # the one codec dispatch
         hit()
-        return into(self, *args)
+        return decode_into(self, *args)
 
-    def chunks_(self: FrameDecoder, *args: Any) -> Any:
+    def changes_(self: FrameDecoder, *args: Any) -> Any:
         hit()
-        return chunks(self, *args)
+        return changes(self, *args)
 
-    monkeypatch.setattr(FrameDecoder, "into", into_)
-    monkeypatch.setattr(FrameDecoder, "chunks", chunks_)
+    monkeypatch.setattr(FrameDecoder, "decode_into", decode_into_)
+    monkeypatch.setattr(FrameDecoder, "changes", changes_)
 
 
 def test_a_failed_rewrite_leaves_the_old_folder(

@@ -22,12 +22,13 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-import zstandard
 from typer.testing import CliRunner, Result
 
 from deltastore import Publisher
 from deltastore.checkpoint.folders import SIDECAR, pull_checkpoint
 from deltastore.checkpoint.safetensors import CheckpointError, MappedCheckpoint, locate
+from deltastore.format.codecs import RAW, RAW_PLANES, FrameDecoder, FrameEncoder
+from deltastore.format.codecs.v2 import FrameEncoder2
 from deltastore.format.manifest import LATEST_KEY, manifest_key
 from deltastore.maintenance.verify import (
     ADLER32,
@@ -232,17 +233,19 @@ def test_latest_with_another_sha256(store: Path) -> None:
 
 
 def craft_wrong_values(store: Path, version: int) -> str:
-    """Re-encode the first frame of a tensor of ``version`` (a raw anchor frame) with one
-    element changed, store it in a new object, and point the manifest at it with the right
-    length and XXH3-64: a frame that is valid in every way but its content."""
+    """Re-encode the first frame of a tensor of ``version`` (an anchor frame of new words,
+    ``raw`` or ``raw-planes``) with one element changed in the same codec, store it in a new
+    object, and point the manifest at it with the right length and XXH3-64: a frame that is
+    valid in every way but its content."""
     m = manifest(store, version)
     name = "model.layers.2.mlp.up_proj.weight"
     f = m["tensors"][name]["frames"][0]
-    assert f["codec"] == "raw"
+    assert f["codec"] in (RAW, RAW_PLANES)
     stored = (store / f["object"]).read_bytes()[f["offset"] : f["offset"] + f["length"]]
-    words = np.frombuffer(zstandard.ZstdDecompressor().decompress(stored), dtype="<u2").copy()
+    words = np.empty(f["stop"] - f["start"], dtype="<u2")
+    FrameDecoder().decode_into(f["codec"], stored, words)
     words[3] ^= 0x0100
-    frame = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(words.tobytes())
+    frame = FrameEncoder().raw(words) if f["codec"] == RAW else FrameEncoder2().raw_planes(words)
     key = f"versions/{version:020d}/{'e' * 12}-000000.dsz"
     (store / key).write_bytes(frame)
     f.update(object=key, offset=0, length=len(frame), xxh3=xxhash.xxh3_64_hexdigest(frame))

@@ -43,3 +43,13 @@ else:  # typer reads annotations when the app runs: a choice of the table's name
 #: ``--size`` of ``demo`` and ``bench``: a name in :data:`deltastore.testing.sizes.SIZES`, the
 #: one table of synthetic model sizes (case-insensitive).
 SizeOpt = Annotated[SizeName, typer.Option(case_sensitive=False, help="Synthetic model size.")]
+
+#: ``--codecs`` of ``publish``: which frame codecs the writer may use.
+CodecsOpt = Annotated[
+    Literal["v1", "v2"],
+    typer.Option(
+        "--codecs",
+        help="Frame codecs to write: v2 (smallest payloads: xor-sparse2, raw-planes anchors; "
+        "read from deltastore 0.2.0) or v1 (only the codecs deltastore 0.1.0 reads).",
+    ),
+]

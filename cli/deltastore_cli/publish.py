@@ -16,7 +16,7 @@ from deltastore_cli.common import (
     progress_bar,
     settle,
 )
-from deltastore_cli.options import JsonOpt, StorageOpt, StoreArg, TimeoutOpt
+from deltastore_cli.options import CodecsOpt, JsonOpt, StorageOpt, StoreArg, TimeoutOpt
 
 
 def publish(
@@ -37,7 +37,14 @@ def publish(
         ),
     ] = None,
     max_frame_bytes: Annotated[int, typer.Option(help="Dense bytes per frame.")] = 16 << 20,
-    zstd_level: Annotated[int, typer.Option(help="zstd compression level.")] = 1,
+    zstd_level: Annotated[
+        int | None,
+        typer.Option(
+            help="zstd compression level.",
+            show_default="1 for the v1 codecs, tuned fast parameters for the v2 ones",
+        ),
+    ] = None,
+    codecs: CodecsOpt = "v2",
     unsafe_commits: Annotated[
         bool,
         typer.Option(
@@ -66,6 +73,7 @@ def publish(
             progress=progress,
             max_frame_bytes=max_frame_bytes,
             zstd_level=zstd_level,
+            codecs=codecs,
             unsafe_commits=unsafe_commits,
         )
     settle()

@@ -35,7 +35,7 @@ from pydantic import (
 )
 
 from deltastore.errors import ManifestError, UnsupportedFormatError
-from deltastore.format.codecs import Codec
+from deltastore.format.codecs import NEW_WORDS_CODECS, Codec
 from deltastore.format.dtypes import NAMES, itemsize
 
 # Key names live in deltastore.format.keys; re-exported here for code that imported them
@@ -246,8 +246,8 @@ class Manifest(_Model, SizeRatios):
                     end = f.stop
                 if end != t.numel:
                     raise ValueError(f"{name}: anchor frames must cover every element in order")
-                if any(f.codec != "raw" for f in t.frames):
-                    raise ValueError(f"{name}: anchor frames must use the raw codec")
+                if any(f.codec not in NEW_WORDS_CODECS for f in t.frames):
+                    raise ValueError(f"{name}: anchor frames must use the raw or raw-planes codec")
         if (
             state_digest((n, t.dtype, t.shape, t.adler32) for n, t in self.tensors.items())
             != self.state_digest

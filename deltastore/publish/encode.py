@@ -19,13 +19,13 @@ import numpy as np
 import xxhash
 
 from deltastore.format.checksum import adler32, apply_delta, delta_sums
-from deltastore.format.codecs import RAW, Codec, FrameEncoder
+from deltastore.format.codecs import RAW, Codec, CodecSet, FrameEncoder
 
 
 @dataclass(frozen=True)
 class FrameJob:
     """One frame: the new words, and the parent's words and frame Adler-32 (None: no parent);
-    ``delta``: encode the changes (else the new words, ``raw``)."""
+    ``delta``: encode the changes (else the new words, ``raw`` or ``raw-planes``)."""
 
     new: np.ndarray
     old: np.ndarray | None
@@ -50,16 +50,17 @@ class Encoded:
 
 
 class FrameEncoders:
-    """Runs :class:`FrameJob` s on ``workers`` threads at zstd ``level``."""
+    """Runs :class:`FrameJob` s on ``workers`` threads at zstd ``level`` (None: each codec's
+    default), writing the codecs of ``codecs``."""
 
-    def __init__(self, level: int, workers: int) -> None:
-        self._level, self._workers = level, workers
+    def __init__(self, level: int | None, workers: int, codecs: CodecSet = "v2") -> None:
+        self._level, self._workers, self._codecs = level, workers, codecs
         self._local = threading.local()
 
     def _encoder(self) -> FrameEncoder:
         enc: FrameEncoder | None = getattr(self._local, "encoder", None)
         if enc is None:
-            enc = self._local.encoder = FrameEncoder(self._level)
+            enc = self._local.encoder = FrameEncoder(self._level, codecs=self._codecs)
         return enc
 
     def _diff(self, old: np.ndarray, new: np.ndarray) -> np.ndarray:
@@ -89,7 +90,8 @@ class FrameEncoders:
                 )
             codec, data = self._encoder().encode_delta(job.old, job.new, pos, masks=old_at ^ new_at)
         else:
-            value, codec, data = adler32(job.new), RAW, self._encoder().raw(job.new)
+            value = adler32(job.new)
+            codec, data = self._encoder().new_words(job.new)
         changed = job.new.size if pos is None else int(pos.size)
         digest = xxhash.xxh3_64_hexdigest(data)
         return Encoded(

@@ -29,6 +29,7 @@ from deltastore.errors import (
 )
 from deltastore.format.chain import PARENT_ADLER32, PARENT_DIGEST, PARENT_TABLE, State, link_misfits
 from deltastore.format.checksum import combine
+from deltastore.format.codecs import NEW_WORDS_CODECS
 from deltastore.format.dtypes import itemsize
 from deltastore.format.keys import data_prefix, manifest_key
 from deltastore.format.manifest import (
@@ -150,16 +151,17 @@ class Part(_Strict):
                 raise ValueError(f"{name}: a slice of a delta needs parent_adler32")
             if self.parent is None and not _anchor_slice(t):
                 raise ValueError(
-                    f"{name}: without a parent, all of the slice changed, in raw frames"
+                    f"{name}: without a parent, all of the slice changed, in frames of new words"
                 )
         return self
 
 
 def _anchor_slice(t: PartTensor) -> bool:
-    """Whether ``t`` is a slice of an anchor: raw frames cover it, all of it changed."""
+    """Whether ``t`` is a slice of an anchor: frames of new words (``raw``, ``raw-planes``)
+    cover it, all of it changed."""
     end = t.start
     for f in t.frames:
-        if f.start != end or f.codec != "raw":
+        if f.start != end or f.codec not in NEW_WORDS_CODECS:
             return False
         end = f.stop
     return end == t.stop and t.changed == t.stop - t.start and t.parent_adler32 is None

@@ -32,6 +32,7 @@ from deltastore.errors import (
     VersionOrderError,
 )
 from deltastore.format.checksum import adler32, combine
+from deltastore.format.codecs import CODEC_SETS, CodecSet
 from deltastore.format.keys import data_prefix, manifest_key
 from deltastore.format.manifest import (
     MAX_DIMS,
@@ -180,8 +181,9 @@ class ChainWriter:
         state_dir: str | os.PathLike[str] | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
-        zstd_level: int = 1,
+        zstd_level: int | None = None,
         max_workers: int = 2,
+        codecs: CodecSet = "v2",
         signing_key: KeyOption = FROM_ENV,
         unsafe_commits: bool = False,
     ) -> None:
@@ -189,6 +191,8 @@ class ChainWriter:
             raise ValueError("snapshot must be 'memory', or 'disk' together with state_dir")
         if max_workers < 1:
             raise ValueError("max_workers must be positive")
+        if codecs not in CODEC_SETS:
+            raise ValueError(f"codecs must be one of {', '.join(CODEC_SETS)}, not {codecs!r}")
         if not 8 <= max_frame_bytes <= MAX_FRAME_BYTES or max_object_bytes < 1:
             raise ValueError(
                 f"max_frame_bytes must be in [8, {MAX_FRAME_BYTES}] and max_object_bytes >= 1"
@@ -199,7 +203,7 @@ class ChainWriter:
         self._signing = resolve_keys(signing_key)  # signs with the first; attach checks any
         self._max_frame_bytes = max_frame_bytes
         self._max_object_bytes = max_object_bytes
-        self._encoders = FrameEncoders(zstd_level, max_workers)
+        self._encoders = FrameEncoders(zstd_level, max_workers, codecs)
         snapshots = DiskSnapshot(state_dir) if state_dir is not None else MemorySnapshot()
         self._held = WriterState(self.store, snapshots, max_frame_bytes, self._shard)
         self._held.resume()
@@ -427,8 +431,11 @@ class Publisher(ChainWriter):
     memory-mapped file under ``state_dir``, which also lets a restarted publisher continue
     without :meth:`attach`), ``max_frame_bytes``
     (dense bytes per frame, default 16 MiB), ``max_object_bytes`` (bytes per data object,
-    default 64 MiB), ``zstd_level`` (default 1), ``max_workers`` (threads that detect and
-    encode frames, default 2), ``signing_key`` (a
+    default 64 MiB), ``zstd_level`` (default None: level 1 for the 0.1.0 codecs, tuned fast
+    parameters for the 0.2.0 ones), ``max_workers`` (threads that detect and
+    encode frames, default 2), ``codecs`` (``"v2"``, default: each frame in the smallest of
+    all codecs, anchors in ``raw-planes``, readable from deltastore 0.2.0; ``"v1"``: only the
+    codecs deltastore 0.1.0 reads, for older receivers), ``signing_key`` (a
     :class:`~deltastore.SigningKey` that signs every manifest, and that :meth:`attach`
     requires on the head manifest; default: ``DELTASTORE_SIGNING_KEY`` if set; None: unsigned),
     ``unsafe_commits`` (publish to a store whose service ignores create-if-absent

@@ -118,7 +118,7 @@ class ShardWriter(ChainWriter):
     """The writer of rank ``rank`` of ``world`` writers of a sharded trainer.
 
     Keyword options are :class:`~deltastore.Publisher`'s (``storage_options``, ``snapshot``,
-    ``state_dir``, ``max_frame_bytes``, ``max_object_bytes``, ``zstd_level``,
+    ``state_dir``, ``max_frame_bytes``, ``max_object_bytes``, ``zstd_level``, ``codecs``,
     ``unsafe_commits``: pass it to :func:`commit_parts` too); a disk snapshot
     is adopted only by a writer of the same rank and world. Per version: :meth:`publish`, then
     :func:`commit_parts` in one process, then :meth:`finish`. Not thread-safe.

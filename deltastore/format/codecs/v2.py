@@ -1,9 +1,9 @@
-"""Frame codecs of the 0.2.0 format revision (draft, not wired in yet): ``xor-sparse2`` and
-``raw-planes``.
+"""Frame codecs written from deltastore 0.2.0: ``xor-sparse2`` and ``raw-planes``.
 
-Both keep format v1's rules for stored frames (``docs/spec/format-v1.md`` section 8.1: exactly
-one zstd frame, content size in the header, no dictionary, window at most 2^27 bytes); their
-decompressed layouts are specified in ``docs/spec/codecs-v2-draft.md``. A frame covers
+Both keep the rules for stored frames (``docs/spec/format-v1.md`` section 8.1: exactly one
+zstd frame, content size in the header, no dictionary, window at most 2^27 bytes); their
+decompressed layouts are specified in section 8.2 of the spec. Receivers reach them through
+the one codec dispatch, ``deltastore.format.codecs.FrameDecoder``. A frame covers
 ``n = stop - start`` elements of ``s`` bytes each, handled as little-endian unsigned words.
 
 ``xor-sparse2``
@@ -47,23 +47,17 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import numpy as np
 import zstandard
 
 from deltastore.errors import FrameError
-from deltastore.format.codecs import MAX_WINDOW_SIZE, FrameEncoder, compress_bound
+from deltastore.format.codecs.zstdframe import MAX_WINDOW_SIZE, compress_bound, frame_length
 from deltastore.format.dtypes import word_dtype
 
-Codec2 = Literal["xor-sparse2", "raw-planes", "xor-sparse", "xor-dense"]
 XOR_SPARSE2: Final = "xor-sparse2"
 RAW_PLANES: Final = "raw-planes"
-#: format v1's ``xor-dense`` (``old XOR new``, every word, in element order): the encoder's
-#: choice for frames where most elements changed.
-XOR_DENSE: Final = "xor-dense"
-#: format v1's ``xor-sparse``: the encoder's choice for a handful of changes.
-XOR_SPARSE: Final = "xor-sparse"
 #: The codecs this module adds to format v1.
 CODECS_V2: Final = (XOR_SPARSE2, RAW_PLANES)
 
@@ -80,7 +74,7 @@ LOW_BITS_BIAS: Final = 2
 #: Fewest changes for which the encoder starts a zstd block per section: below, one block
 #: (block headers and Huffman tables cost more than they save on small sections).
 BLOCKS_MIN_CHANGES: Final = 256
-#: Most changes for which :meth:`FrameEncoder2.encode_delta` also tries format v1's
+#: Most changes for which ``FrameEncoder.encode_delta`` also tries the 0.1.0
 #: ``xor-sparse`` (4 bytes less header; it wins on a handful of changes).
 V1_MAX_CHANGES: Final = 64
 #: Bytes per step when streaming planes in and out of zstd.
@@ -206,28 +200,9 @@ def _low_planes(gaps: np.ndarray, low_bits: int) -> list[bytes]:
 # --- zstd frames ------------------------------------------------------------------------------
 
 
-def _frame_length(data: bytes) -> int:
-    """Bytes of the zstd frame at the start of ``data``, by walking its block headers."""
-    try:
-        pos = int(zstandard.frame_header_size(data))
-    except zstandard.ZstdError as exc:
-        raise FrameError(f"not a zstd frame ({exc})") from None
-    has_checksum = len(data) > 4 and bool(data[4] & 0x04)
-    while True:
-        if pos + 3 > len(data):
-            raise FrameError("zstd frame is truncated (block header missing)")
-        header = int.from_bytes(data[pos : pos + 3], "little")
-        kind, size = (header >> 1) & 3, header >> 3
-        if kind == 3:
-            raise FrameError("zstd frame holds a reserved block type")
-        pos += 3 + (1 if kind == 1 else size)
-        if header & 1:
-            return pos + (4 if has_checksum else 0)
-
-
 class FrameEncoder2:
-    """Encodes ``xor-sparse2``, ``raw-planes`` and ``xor-dense`` frames, and picks the
-    smallest codec of a delta frame (:meth:`encode_delta`). Not thread-safe.
+    """Encodes ``xor-sparse2``, ``raw-planes`` and ``xor-dense`` frames (the choice among
+    codecs is ``deltastore.format.codecs.FrameEncoder.encode_delta``). Not thread-safe.
 
     ``level`` None (default) compresses with :data:`DEFAULT_PARAMS`; an integer uses that
     zstd level instead (content size always in the header).
@@ -238,7 +213,6 @@ class FrameEncoder2:
             self._cctx = zstandard.ZstdCompressor(compression_params=DEFAULT_PARAMS)
         else:
             self._cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
-        self._v1 = FrameEncoder(1 if level is None else level)
 
     def _compress(self, parts: list[bytes], *, blocks: bool = True) -> bytes:
         """One zstd frame of the concatenated parts; with ``blocks``, each part starts a new
@@ -313,32 +287,6 @@ class FrameEncoder2:
         """Format v1 ``xor-dense`` frame of the full XOR words."""
         return bytes(self._cctx.compress(np.ascontiguousarray(xor).view(np.uint8).data))
 
-    def encode_delta(
-        self,
-        old: np.ndarray,
-        new: np.ndarray,
-        positions: np.ndarray,
-        *,
-        masks: np.ndarray | None = None,
-    ) -> tuple[Codec2, bytes]:
-        """The smallest encoding of a changed frame (same contract as
-        ``deltastore.format.codecs.FrameEncoder.encode_delta``): ``xor-sparse2`` always,
-        format v1's ``xor-sparse`` too for at most :data:`V1_MAX_CHANGES` changes, and
-        ``xor-dense`` and ``raw-planes`` when more than 1/16 of the elements changed."""
-        if masks is None:
-            masks = old[positions] ^ new[positions]
-        best: tuple[Codec2, bytes] = (XOR_SPARSE2, self.xor_sparse2(positions, masks))
-        cands: list[tuple[Codec2, bytes]] = []
-        if positions.size <= V1_MAX_CHANGES:
-            cands.append((XOR_SPARSE, self._v1.xor_sparse(positions, masks)))
-        if positions.size * 16 > new.size:
-            cands.append((XOR_DENSE, self.xor_dense(old ^ new)))
-            cands.append((RAW_PLANES, self.raw_planes(new)))
-        for cand in cands:
-            if len(cand[1]) < len(best[1]):
-                best = cand
-        return best
-
 
 class FrameDecoder2:
     """Decodes ``xor-sparse2`` and ``raw-planes`` frames. Not thread-safe: one per thread."""
@@ -367,7 +315,7 @@ class FrameDecoder2:
                 f"{codec} zstd frame asks for a {params.window_size}-byte window, more than "
                 f"the {self._max_window} this reader allows"
             )
-        if _frame_length(data) != len(data):
+        if frame_length(data) != len(data):
             raise FrameError("a stored frame must be exactly one zstd frame (extra bytes follow)")
         return size
 
@@ -518,10 +466,7 @@ __all__ = [
     "RAW_PLANES",
     "SPARSE2_HEADER",
     "V1_MAX_CHANGES",
-    "XOR_DENSE",
-    "XOR_SPARSE",
     "XOR_SPARSE2",
-    "Codec2",
     "FrameDecoder2",
     "FrameEncoder2",
     "choose_low_bits",

@@ -1,4 +1,5 @@
-"""Frame codecs of format v1: ``raw``, ``xor-dense`` and ``xor-sparse``.
+"""Frame codecs of format v1: ``raw``, ``xor-dense``, ``xor-sparse`` (deltastore 0.1.0) and
+``xor-sparse2``, ``raw-planes`` (from deltastore 0.2.0, in :mod:`deltastore.format.codecs.v2`).
 
 A frame covers elements ``[start, stop)`` of one tensor; ``n = stop - start`` elements of
 ``s`` bytes each (the dtype's size), handled as little-endian unsigned words. Every stored frame
@@ -15,13 +16,21 @@ is exactly one zstd frame whose header carries the content size. Decompressed co
     first, of every value). Gap ``i`` is the number of unchanged elements before changed
     element ``i`` since the previous changed one: ``pos[0] = gap[0]``,
     ``pos[i] = pos[i-1] + 1 + gap[i]``. Masks are never zero.
+``xor-sparse2``
+    the changes as ``xor-sparse``, with each gap split into a one-byte token and packed low
+    bits (spec section 8.2.4).
+``raw-planes``
+    the ``n * s`` new bytes as ``s`` byte planes of ``n`` bytes (spec section 8.2.5).
 
 Decoders never allocate more than the frame's declared size: the zstd content size is checked
 against the bound the manifest implies before anything is decompressed.
 
 This module is the only place that branches on a codec name: receivers take a frame's changes
 from :meth:`FrameDecoder.changes` (or new words from :meth:`FrameDecoder.decode_into`) and
-bound stored frames with :func:`content_bound`.
+bound stored frames with :func:`content_bound`; writers pick a frame's codec with
+:meth:`FrameEncoder.encode_delta` and :meth:`FrameEncoder.new_words`, among the codecs of the
+:data:`CodecSet` they write (``"v1"``: what deltastore 0.1.0 reads; ``"v2"``: also the 0.2.0
+codecs).
 
 Thread-safety: :class:`FrameEncoder` and :class:`FrameDecoder` hold zstd contexts and reusable
 buffers; use one instance per thread.
@@ -37,17 +46,34 @@ import numpy as np
 import zstandard
 
 from deltastore.errors import FrameError
+from deltastore.format.codecs.v2 import (
+    ESCAPE,
+    RAW_PLANES,
+    SPARSE2_HEADER,
+    V1_MAX_CHANGES,
+    XOR_SPARSE2,
+    FrameDecoder2,
+    FrameEncoder2,
+)
+from deltastore.format.codecs.zstdframe import MAX_WINDOW_SIZE, compress_bound, frame_length
 from deltastore.format.dtypes import word_dtype
 
-Codec = Literal["raw", "xor-dense", "xor-sparse"]
+Codec = Literal["raw", "xor-dense", "xor-sparse", "xor-sparse2", "raw-planes"]
 RAW: Final = "raw"
 XOR_DENSE: Final = "xor-dense"
 XOR_SPARSE: Final = "xor-sparse"
-CODECS: Final = (RAW, XOR_DENSE, XOR_SPARSE)
+#: The codecs deltastore 0.1.0 writes and reads.
+CODECS_V1: Final = (RAW, XOR_DENSE, XOR_SPARSE)
+#: Every codec this reader knows.
+CODECS: Final = (*CODECS_V1, XOR_SPARSE2, RAW_PLANES)
+#: Codecs whose frames hold the new words (every frame of an anchor is one of these).
+NEW_WORDS_CODECS: Final = (RAW, RAW_PLANES)
+#: Which codecs a writer uses: ``"v1"`` only :data:`CODECS_V1` (frames every deltastore
+#: reads), ``"v2"`` all of :data:`CODECS` (read from deltastore 0.2.0).
+CodecSet = Literal["v1", "v2"]
+CODEC_SETS: Final = ("v1", "v2")
 
 SPARSE_HEADER = 8
-#: Largest zstd window a receiver accepts (bytes); v1 writers use level <= 19 windows.
-MAX_WINDOW_SIZE = 1 << 27
 #: Words decoded per step when streaming a dense frame.
 CHUNK_BYTES = 1 << 20
 
@@ -75,26 +101,38 @@ def _unplanes(raw: bytes | memoryview, offset: int, count: int, size: int) -> np
     return out
 
 
-def compress_bound(n: int) -> int:
-    """Largest zstd frame for ``n`` content bytes (``ZSTD_COMPRESSBOUND``, plus header room)."""
-    small = ((128 << 10) - n) >> 11 if n < (128 << 10) else 0
-    return n + (n >> 8) + small + 32
-
-
 def sparse_bound(n: int, size: int) -> int:
     """Largest decompressed size of an ``xor-sparse`` frame of ``n`` elements of ``size`` bytes."""
     return SPARSE_HEADER + n * (4 + size)
 
 
+def sparse2_bound(n: int, size: int) -> int:
+    """Largest decompressed size of an ``xor-sparse2`` frame of ``n`` elements of ``size``
+    bytes, whatever its ``changed``: ``12 + n * (5 + size) + 4 * floor(n / 255)`` (every
+    element changed, 31 low bits, as many escapes as gaps of 255 fit). The decoder checks the
+    exact bounds for the frame's ``changed`` (spec section 8.3)."""
+    return SPARSE2_HEADER + n * (5 + size) + 4 * (n // ESCAPE)
+
+
+def unknown_codec(codec: str) -> FrameError:
+    """The error for a codec name this reader does not know."""
+    return FrameError(
+        f"unknown frame codec {codec!r}: written by a newer deltastore than this one "
+        f"(which reads {', '.join(CODECS)}); upgrade deltastore to read this version"
+    )
+
+
 def content_bound(codec: str, n: int, size: int) -> int:
     """Largest decompressed size (bytes) of a ``codec`` frame of ``n`` elements of ``size``
-    bytes: ``n * size``, or :func:`sparse_bound` for ``xor-sparse``; :class:`FrameError` for a
-    codec v1 does not define."""
+    bytes: ``n * size``, :func:`sparse_bound` for ``xor-sparse``, :func:`sparse2_bound` for
+    ``xor-sparse2``; :class:`FrameError` for a codec this reader does not know."""
     if codec == XOR_SPARSE:
         return sparse_bound(n, size)
-    if codec in (RAW, XOR_DENSE):
+    if codec == XOR_SPARSE2:
+        return sparse2_bound(n, size)
+    if codec in (RAW, XOR_DENSE, RAW_PLANES):
         return n * size
-    raise FrameError(f"unknown frame codec {codec!r}")
+    raise unknown_codec(codec)
 
 
 @dataclass(frozen=True)
@@ -116,30 +154,21 @@ class Changes:
     positions: np.ndarray | None = None
 
 
-def _frame_size(data: bytes) -> int:
-    """Bytes of the zstd frame at the start of ``data``, by walking its block headers."""
-    try:
-        pos = int(zstandard.frame_header_size(data))
-    except zstandard.ZstdError as exc:
-        raise FrameError(f"not a zstd frame ({exc})") from None
-    has_checksum = len(data) > 4 and bool(data[4] & 0x04)
-    while True:
-        if pos + 3 > len(data):
-            raise FrameError("zstd frame is truncated (block header missing)")
-        header = int.from_bytes(data[pos : pos + 3], "little")
-        kind, size = (header >> 1) & 3, header >> 3
-        if kind == 3:
-            raise FrameError("zstd frame holds a reserved block type")
-        pos += 3 + (1 if kind == 1 else size)
-        if header & 1:
-            return pos + (4 if has_checksum else 0)
-
-
 class FrameEncoder:
-    """Encodes frames with zstd at ``level``. Not thread-safe: one per thread."""
+    """Encodes frames and picks each frame's codec among those of ``codecs`` (default
+    ``"v1"``: what deltastore 0.1.0 reads; the publisher's default is ``"v2"``). ``level``:
+    the zstd level of every frame; None (default) is level 1 for the 0.1.0 codecs and the
+    tuned parameters :data:`~deltastore.format.codecs.v2.DEFAULT_PARAMS` for the others.
+    Not thread-safe: one per thread."""
 
-    def __init__(self, level: int = 1) -> None:
-        self._cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    def __init__(self, level: int | None = None, *, codecs: CodecSet = "v1") -> None:
+        if codecs not in CODEC_SETS:
+            raise ValueError(f"codecs must be one of {', '.join(CODEC_SETS)}, not {codecs!r}")
+        self.codecs: CodecSet = codecs
+        self._cctx = zstandard.ZstdCompressor(
+            level=1 if level is None else level, write_content_size=True
+        )
+        self._v2 = FrameEncoder2(level) if codecs == "v2" else None
 
     def raw(self, new: np.ndarray) -> bytes:
         """``raw`` frame of the new words."""
@@ -159,6 +188,16 @@ class FrameEncoder:
         body = _planes(gaps.astype(word_dtype(width))) + _planes(masks)
         return self._cctx.compress(header + body)
 
+    def new_words(self, new: np.ndarray) -> tuple[Codec, bytes]:
+        """The frame of new words (every frame of an anchor, a tensor without a parent):
+        ``raw``, or with the ``"v2"`` codecs ``raw-planes`` unless it does not shrink the
+        words (then ``raw``, which decodes faster)."""
+        if self._v2 is not None:
+            data = self._v2.raw_planes(new)
+            if len(data) < new.nbytes:
+                return RAW_PLANES, data
+        return RAW, self.raw(new)
+
     def encode_delta(
         self,
         old: np.ndarray,
@@ -171,20 +210,30 @@ class FrameEncoder:
 
         ``old``/``new`` are the frame's words, ``positions`` the frame-local indices where they
         differ (non-empty), ``masks`` (optional, computed if None) ``old ^ new`` there.
-        ``xor-sparse`` is always tried; ``xor-dense`` and ``raw`` only when more than 1/16 of
-        the elements changed, where they can win.
+        ``"v1"``: ``xor-sparse`` is always tried; ``xor-dense`` and ``raw`` only when more than
+        1/16 of the elements changed, where they can win. ``"v2"``: ``xor-sparse2`` always,
+        ``xor-sparse`` for at most :data:`~deltastore.format.codecs.v2.V1_MAX_CHANGES`
+        changes (4 header bytes less), ``xor-dense`` and ``raw-planes`` above 1/16 changed.
         """
         if masks is None:
             masks = old[positions] ^ new[positions]
-        best: tuple[Codec, bytes] = (XOR_SPARSE, self.xor_sparse(positions, masks))
-        if positions.size * 16 > new.size:
-            cands: tuple[tuple[Codec, bytes], ...] = (
-                (XOR_DENSE, self.xor_dense(old ^ new)),
-                (RAW, self.raw(new)),
-            )
-            for cand in cands:
-                if len(cand[1]) < len(best[1]):
-                    best = cand
+        cands: list[tuple[Codec, bytes]] = []
+        dense = positions.size * 16 > new.size
+        if self._v2 is None:
+            cands.append((XOR_SPARSE, self.xor_sparse(positions, masks)))
+            if dense:
+                cands += [(XOR_DENSE, self.xor_dense(old ^ new)), (RAW, self.raw(new))]
+        else:
+            cands.append((XOR_SPARSE2, self._v2.xor_sparse2(positions, masks)))
+            if positions.size <= V1_MAX_CHANGES:
+                cands.append((XOR_SPARSE, self.xor_sparse(positions, masks)))
+            if dense:
+                cands.append((XOR_DENSE, self._v2.xor_dense(old ^ new)))
+                cands.append((RAW_PLANES, self._v2.raw_planes(new)))
+        best = cands[0]
+        for cand in cands[1:]:
+            if len(cand[1]) < len(best[1]):
+                best = cand
         return best
 
 
@@ -194,6 +243,7 @@ class FrameDecoder:
     def __init__(self, *, max_window_size: int = MAX_WINDOW_SIZE) -> None:
         self._max_window = max_window_size
         self._dctx = zstandard.ZstdDecompressor(max_window_size=max_window_size)
+        self._v2 = FrameDecoder2(max_window_size=max_window_size)
         self._chunk = np.empty(CHUNK_BYTES, dtype=np.uint8)
         self._mask = np.empty(CHUNK_BYTES, dtype=np.bool_)
 
@@ -208,7 +258,7 @@ class FrameDecoder:
                 f"zstd frame declares {size} content bytes, outside the [{lo}, {hi}] "
                 "its manifest entry allows"
             )
-        if _frame_size(data) != len(data):
+        if frame_length(data) != len(data):
             raise FrameError("a stored frame must be exactly one zstd frame (extra bytes follow)")
         if params.window_size > self._max_window:
             raise FrameError(
@@ -221,25 +271,38 @@ class FrameDecoder:
         self, codec: str, data: bytes, n: int, size: int, changed: int
     ) -> Iterator[Changes]:
         """The changes a stored ``codec`` frame of ``n`` elements of ``size`` bytes makes: one
-        sparse :class:`Changes` for ``xor-sparse`` (decoded at once, ``changed`` checked), else
-        dense runs of at most :data:`CHUNK_BYTES` bytes, in order, decoded as the iterator
-        advances. The content size is checked against the frame's bound before anything is
+        sparse :class:`Changes` for ``xor-sparse`` and ``xor-sparse2`` (decoded at once,
+        ``changed`` checked), else dense runs of at most :data:`CHUNK_BYTES` bytes, in order
+        (``raw`` and ``xor-dense`` decoded as the iterator advances, ``raw-planes`` at once).
+        The content size is checked against the frame's bound before anything is
         decompressed; :class:`FrameError` for a damaged frame or an unknown codec (at once)."""
         if codec == XOR_SPARSE:
             positions, masks = self.sparse(data, n, size, changed)
             return iter((Changes(masks, True, 0, positions),))
+        if codec == XOR_SPARSE2:
+            positions, masks = self._v2.sparse2(data, n, size, changed)
+            return iter((Changes(masks, True, 0, positions),))
         if codec in (RAW, XOR_DENSE):
             xor = codec == XOR_DENSE
             return (Changes(words, xor, first) for first, words in self.chunks(data, n, size))
-        raise FrameError(f"unknown frame codec {codec!r}")
+        if codec == RAW_PLANES:
+            runs = self._v2.planes_chunks(data, n, size)
+            return (Changes(words, False, first) for first, words in runs)
+        raise unknown_codec(codec)
 
     def decode_into(self, codec: str, data: bytes, out: np.ndarray) -> None:
-        """Decode a frame of new words (``raw``, every frame of an anchor) straight into
-        ``out`` (contiguous words, exactly the frame's size); :class:`FrameError` for another
-        codec, whose frames hold XOR masks that need the old words (use :meth:`changes`)."""
-        if codec != RAW:
+        """Decode a frame of new words (``raw`` or ``raw-planes``: every frame of an anchor)
+        straight into ``out`` (contiguous words, exactly the frame's size); :class:`FrameError`
+        for another codec, whose frames hold XOR masks that need the old words (use
+        :meth:`changes`), or one this reader does not know."""
+        if codec == RAW:
+            self.into(data, out)
+        elif codec == RAW_PLANES:
+            self._v2.planes_into(data, out)
+        elif codec in CODECS:
             raise FrameError(f"a {codec!r} frame holds no new words to decode into place")
-        self.into(data, out)
+        else:
+            raise unknown_codec(codec)
 
     def sparse(self, data: bytes, n: int, size: int, changed: int) -> tuple[np.ndarray, np.ndarray]:
         """Decode ``xor-sparse``: (frame-local int64 positions, unsigned XOR masks)."""
@@ -317,3 +380,29 @@ class FrameDecoder:
                 done += got
         except zstandard.ZstdError as exc:
             raise FrameError(f"frame does not decompress ({exc})") from None
+
+
+__all__ = [
+    "CHUNK_BYTES",
+    "CODECS",
+    "CODECS_V1",
+    "CODEC_SETS",
+    "MAX_WINDOW_SIZE",
+    "NEW_WORDS_CODECS",
+    "RAW",
+    "RAW_PLANES",
+    "SPARSE_HEADER",
+    "XOR_DENSE",
+    "XOR_SPARSE",
+    "XOR_SPARSE2",
+    "Changes",
+    "Codec",
+    "CodecSet",
+    "FrameDecoder",
+    "FrameEncoder",
+    "compress_bound",
+    "content_bound",
+    "sparse2_bound",
+    "sparse_bound",
+    "unknown_codec",
+]
