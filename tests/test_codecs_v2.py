@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import struct
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -723,3 +724,50 @@ def test_damaged_frames_fail_only_with_frame_error(
     pos, got = dec.sparse2(enc.xor_sparse2(positions, masks), 3000, 2, 200)
     np.testing.assert_array_equal(pos, positions)
     np.testing.assert_array_equal(got, masks)
+
+
+# --- the worked examples of spec section 8.2.4 and 8.2.5 ----------------------------------------
+
+SPEC = (Path(__file__).parent.parent / "docs" / "spec" / "format-v1.md").read_text()
+
+
+def spec_hex_blocks(section: str) -> list[bytes]:
+    """The hex content of each fenced block of a spec section (text before the first
+    two-space gap of a line is hex; what follows is commentary)."""
+    start = SPEC.index(f"#### {section}")
+    end = SPEC.index("\n#### ", start + 1) if "\n#### " in SPEC[start + 1 :] else len(SPEC)
+    text = SPEC[start:end]
+    blocks = text.split("```")[1::2]
+    out = []
+    for block in blocks:
+        rows = [line.split("   ")[0] for line in block.strip().splitlines()]
+        if all(all(c in "0123456789abcdef " for c in row) for row in rows):
+            out.append(bytes.fromhex("".join(rows)))
+    return out
+
+
+def test_spec_worked_examples_decode_and_are_what_the_writer_writes() -> None:
+    """The two hex contents of the xor-sparse2 example (the writer's L = 5, and L = 0 with two
+    escapes) decode, through the one dispatch, to the example's changes; the writer's frame
+    decompresses to the first one byte for byte; the raw-planes example too."""
+    positions = np.array([3, 300, 301, 999], dtype=np.int64)
+    masks = np.array([0x0001, 0x0003, 0x0001, 0x007F], dtype=np.uint16)
+    chosen, with_escapes = spec_hex_blocks("8.2.4")
+    assert (len(chosen), len(with_escapes)) == (28, 32)
+    dec = FrameDecoder()
+    for content in (chosen, with_escapes):
+        frame = zstandard.ZstdCompressor(write_content_size=True).compress(content)
+        (ch,) = dec.changes(XOR_SPARSE2, frame, 1000, 2, 4)
+        assert ch.positions is not None and ch.positions.tolist() == positions.tolist()
+        assert ch.words.tolist() == masks.tolist()
+    written = FrameEncoder2().xor_sparse2(positions, masks)
+    assert zstandard.ZstdDecompressor().decompress(written) == chosen
+    assert sparse2_bounds(1000, 2, 4) == (24, 52)  # the example's accepted content sizes
+    example = SPEC.split("`raw-planes` content of the four")[1].split("\n\n")[0]
+    planes = bytes.fromhex(example.split("`")[-2])
+    words = np.array([0x3F80, 0xBC23, 0x0000, 0x3C24], dtype=np.uint16)
+    frame = FrameEncoder2().raw_planes(words)
+    assert zstandard.ZstdDecompressor().decompress(frame) == planes
+    out = np.empty(4, np.uint16)
+    dec.decode_into(RAW_PLANES, frame, out)
+    assert out.tolist() == words.tolist()
