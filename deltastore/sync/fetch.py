@@ -23,6 +23,11 @@ from deltastore.store import Store
 
 #: Most stored bytes fetched by one ranged read of adjacent frames.
 MAX_SPAN = 32 << 20
+#: Stored bytes of adjacent frames one pool job works on, in order: a delta's frames are small
+#: (a 16 MiB frame at 0.8% changed stores ~110 KB; a small tensor's frame a few KB), and a
+#: future and its hand-offs between threads cost ~50-80 us per frame on 2 busy cores, about
+#: what staging a frame of 2,000 changes costs (benchmarks/profile_sync.py).
+BATCH_BYTES = 128 << 10
 R = TypeVar("R")
 
 
@@ -169,23 +174,27 @@ class Fetcher:
         after the pool stopped.
 
         Adjacent frames are fetched with one ranged read (:meth:`_groups`); the frames of a
-        read are then worked on in parallel. The in-flight budget counts a read's bytes until
-        its last frame is done."""
+        read are then worked on in parallel, in jobs of consecutive frames of about
+        :data:`BATCH_BYTES` stored bytes (:func:`batches`). The in-flight budget counts a
+        read's bytes until its last frame is done."""
         budget = ByteBudget(self._max_inflight)
         failed = threading.Event()
         lock = threading.Lock()
-        frames: list[Future[R] | None] = [None] * len(tasks)
+        results: list[Any] = [None] * len(tasks)
+        jobs: list[Future[int]] = []  # appended by read jobs, read once every read is done
 
-        def frame_job(i: int, span: tuple[int, bytes] | None, left: list[int]) -> R:
-            frame = tasks[i].frame
+        def batch_job(batch: Sequence[int], span: tuple[int, bytes] | None, left: list[int]) -> int:
             try:
-                if failed.is_set():
-                    raise Cancelled("skipped after an earlier frame failed")
-                t0 = time.perf_counter()
-                out = work(tasks[i], self.fetch(frame, timer, span=span), self._decoder())
-                timer.add(work=time.perf_counter() - t0)
-                timer.tick(frame.length)
-                return out
+                decoder = self._decoder()
+                for i in batch:
+                    frame = tasks[i].frame
+                    if failed.is_set():
+                        raise Cancelled("skipped after an earlier frame failed")
+                    t0 = time.perf_counter()
+                    results[i] = work(tasks[i], self.fetch(frame, timer, span=span), decoder)
+                    timer.add(work=time.perf_counter() - t0)
+                    timer.tick(frame.length)
+                return len(batch)
             except BaseException:
                 failed.set()
                 raise
@@ -210,9 +219,10 @@ class Fetcher:
                 failed.set()
                 budget.release(size)
                 raise
-            left = [len(group), size]
-            for i in group:
-                frames[i] = pool.submit(frame_job, i, span, left)
+            parts = batches(tasks, group)
+            left = [len(parts), size]
+            for part in parts:
+                jobs.append(pool.submit(batch_job, part, span, left))
 
         reads: list[Future[None]] = []
         with ThreadPoolExecutor(self._workers, thread_name_prefix="deltastore-sync") as pool:
@@ -222,10 +232,28 @@ class Fetcher:
                 size = sum(tasks[i].frame.length for i in group)
                 budget.acquire(size)
                 reads.append(pool.submit(read_job, pool, group, size))
-            wait(reads)  # every frame job is submitted once its read is done
-            submitted = [f for f in frames if f is not None]
+            wait(reads)  # every batch job is submitted once its read is done
+            submitted = list(jobs)
             wait(submitted, return_when=FIRST_EXCEPTION)
         raise_first([*reads, *submitted])
-        if len(submitted) != len(tasks):  # pragma: no cover - a read failed: raised above
+        if sum(f.result() for f in submitted) != len(tasks):  # pragma: no cover - raised above
             raise Cancelled("not every frame was worked on")
-        return [f.result() for f in submitted]
+        return results
+
+
+def batches(tasks: Sequence[FrameTask], group: Sequence[int]) -> list[list[int]]:
+    """``group`` (indices of ``tasks``) cut into runs of consecutive frames of at least
+    :data:`BATCH_BYTES` stored bytes each (a frame that large alone; the last run may be
+    smaller)."""
+    out: list[list[int]] = []
+    run: list[int] = []
+    nbytes = 0
+    for i in group:
+        run.append(i)
+        nbytes += tasks[i].frame.length
+        if nbytes >= BATCH_BYTES:
+            out.append(run)
+            run, nbytes = [], 0
+    if run:
+        out.append(run)
+    return out
