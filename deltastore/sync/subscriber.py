@@ -350,8 +350,9 @@ class Subscriber:
         else:  # a full version: every frame was checked directly; they must add up
             got = frame_totals(m, tasks, [st.frame_adler for st in staged])
         verify_tensors(m, got, "nothing was written")
+        writes = writes_of(self._tensors, (st.update for st in staged))  # before the pause
         t1 = time.perf_counter()
-        write_phase(writes_of(self._tensors, (st.update for st in staged)), self._hooks)
+        write_phase(writes, self._hooks)
         self._set_state(m)
         return t1 - t0, time.perf_counter() - t1
 
