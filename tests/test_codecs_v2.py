@@ -17,7 +17,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import zstandard
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from deltastore.errors import DeltastoreError, FrameError
@@ -51,34 +51,7 @@ from deltastore.format.codecs.v2 import (
 )
 from deltastore.format.codecs.zstdframe import frame_length
 from deltastore.format.dtypes import word_dtype
-
-SIZES = [1, 2, 4, 8]
-SEEDS = st.integers(0, 2**32 - 1)
-FAST = settings(
-    max_examples=60,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-
-
-# --- helpers -------------------------------------------------------------------------------
-
-
-def random_change(
-    seed: int, n: int, size: int, k: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(old, new, sorted positions, masks): k distinct positions of n words change."""
-    rng = np.random.default_rng(seed)
-    wdt = word_dtype(size)
-    old = rng.integers(0, 256, n * size, dtype=np.uint8).view(wdt)
-    positions = np.sort(rng.choice(n, size=k, replace=False)).astype(np.int64)
-    masks = rng.integers(0, 256, k * size, dtype=np.uint8).view(wdt)
-    masks[masks == 0] = 1
-    new = old.copy()
-    new[positions] ^= masks
-    return old, new, positions, masks
+from tests.test_codecs import FAST, SEEDS, SIZES, random_change
 
 
 @st.composite

@@ -55,7 +55,11 @@ from deltastore.format.codecs.v2 import (
     FrameDecoder2,
     FrameEncoder2,
 )
-from deltastore.format.codecs.zstdframe import MAX_WINDOW_SIZE, compress_bound, frame_length
+from deltastore.format.codecs.zstdframe import (
+    MAX_WINDOW_SIZE,
+    compress_bound,
+    content_size,
+)
 from deltastore.format.dtypes import word_dtype
 
 Codec = Literal["raw", "xor-dense", "xor-sparse", "xor-sparse2", "raw-planes"]
@@ -248,24 +252,7 @@ class FrameDecoder:
         self._mask = np.empty(CHUNK_BYTES, dtype=np.bool_)
 
     def _content_size(self, data: bytes, lo: int, hi: int) -> int:
-        try:
-            params = zstandard.get_frame_parameters(data)
-        except zstandard.ZstdError as exc:
-            raise FrameError(f"not a zstd frame ({exc})") from None
-        size = int(params.content_size)
-        if size == zstandard.CONTENTSIZE_UNKNOWN or not lo <= size <= hi:
-            raise FrameError(
-                f"zstd frame declares {size} content bytes, outside the [{lo}, {hi}] "
-                "its manifest entry allows"
-            )
-        if frame_length(data) != len(data):
-            raise FrameError("a stored frame must be exactly one zstd frame (extra bytes follow)")
-        if params.window_size > self._max_window:
-            raise FrameError(
-                f"zstd frame asks for a {params.window_size}-byte window, more than "
-                f"the {self._max_window} this reader allows"
-            )
-        return size
+        return content_size(data, lo, hi, self._max_window)
 
     def changes(
         self, codec: str, data: bytes, n: int, size: int, changed: int

@@ -53,7 +53,11 @@ import numpy as np
 import zstandard
 
 from deltastore.errors import FrameError
-from deltastore.format.codecs.zstdframe import MAX_WINDOW_SIZE, compress_bound, frame_length
+from deltastore.format.codecs.zstdframe import (
+    MAX_WINDOW_SIZE,
+    compress_bound,
+    content_size,
+)
 from deltastore.format.dtypes import word_dtype
 
 XOR_SPARSE2: Final = "xor-sparse2"
@@ -297,27 +301,8 @@ class FrameDecoder2:
         self._chunk = np.empty(-(-CHUNK_BYTES // 8) * 8, dtype=np.uint8)
 
     def _content_size(self, data: bytes, lo: int, hi: int, codec: str) -> int:
-        """The frame's declared content size, after the checks of spec section 8.1 and 8.3."""
-        try:
-            params = zstandard.get_frame_parameters(data)
-        except zstandard.ZstdError as exc:
-            raise FrameError(f"not a zstd frame ({exc})") from None
-        size = int(params.content_size)
-        if size == zstandard.CONTENTSIZE_UNKNOWN or not lo <= size <= hi:
-            raise FrameError(
-                f"{codec} zstd frame declares {size} content bytes, outside the [{lo}, {hi}] "
-                "its manifest entry allows"
-            )
-        if params.dict_id:
-            raise FrameError(f"{codec} zstd frame names a dictionary ({params.dict_id})")
-        if params.window_size > self._max_window:
-            raise FrameError(
-                f"{codec} zstd frame asks for a {params.window_size}-byte window, more than "
-                f"the {self._max_window} this reader allows"
-            )
-        if frame_length(data) != len(data):
-            raise FrameError("a stored frame must be exactly one zstd frame (extra bytes follow)")
-        return size
+        """The frame's declared content size, after the checks of spec sections 8.1 and 8.3."""
+        return content_size(data, lo, hi, self._max_window, codec)
 
     def sparse2(
         self, data: bytes, n: int, size: int, changed: int

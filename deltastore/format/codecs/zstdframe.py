@@ -39,4 +39,33 @@ def frame_length(data: bytes) -> int:
             return pos + (4 if has_checksum else 0)
 
 
-__all__ = ["MAX_WINDOW_SIZE", "compress_bound", "frame_length"]
+def content_size(data: bytes, lo: int, hi: int, max_window: int, codec: str = "") -> int:
+    """The content size a stored frame's zstd header declares, after the checks every codec
+    shares (spec sections 8.1 and 8.3), all before anything is decompressed: the size is
+    declared and within ``[lo, hi]`` (the bound its manifest entry implies), no dictionary,
+    a window of at most ``max_window`` bytes, and exactly one zstd frame. ``codec`` names the
+    codec in messages. :class:`FrameError` otherwise."""
+    what = f"{codec} zstd frame" if codec else "zstd frame"
+    try:
+        params = zstandard.get_frame_parameters(data)
+    except zstandard.ZstdError as exc:
+        raise FrameError(f"not a zstd frame ({exc})") from None
+    size = int(params.content_size)
+    if size == zstandard.CONTENTSIZE_UNKNOWN or not lo <= size <= hi:
+        raise FrameError(
+            f"{what} declares {size} content bytes, outside the [{lo}, {hi}] "
+            "its manifest entry allows"
+        )
+    if params.dict_id:
+        raise FrameError(f"{what} names a dictionary ({params.dict_id})")
+    if params.window_size > max_window:
+        raise FrameError(
+            f"{what} asks for a {params.window_size}-byte window, more than "
+            f"the {max_window} this reader allows"
+        )
+    if frame_length(data) != len(data):
+        raise FrameError("a stored frame must be exactly one zstd frame (extra bytes follow)")
+    return size
+
+
+__all__ = ["MAX_WINDOW_SIZE", "compress_bound", "content_size", "frame_length"]
