@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from deltastore.errors import TableChangedError, TensorMismatchError
+from deltastore.format.chain import table_of_entries
 from deltastore.format.checksum import adler32
 from deltastore.format.manifest import Manifest
 from deltastore.tensors.dtypes import dtype_name, np_words
@@ -16,8 +17,8 @@ Table = dict[str, tuple[str, tuple[int, ...]]]
 
 
 def table_of_manifest(manifest: Manifest) -> Table:
-    """The tensor table of a version."""
-    return {n: (e.dtype, tuple(e.shape)) for n, e in manifest.tensors.items()}
+    """The tensor table of a version (:func:`deltastore.format.chain.table_of_entries`)."""
+    return table_of_entries(manifest.tensors)
 
 
 def _changes(old: Table, new: Table) -> tuple[str, dict[str, tuple[str, ...]]]:

@@ -38,12 +38,6 @@ class Write:
     new: np.ndarray
 
 
-def signed(size: int) -> np.dtype[Any]:
-    """numpy dtype of words of ``size`` bytes as torch takes them (``uint8``, ``<i2``, ``<i4``,
-    ``<i8``): :func:`deltastore.format.dtypes.signed_word_dtype`, from the dtype table."""
-    return signed_word_dtype(size)
-
-
 def gather(local: torch.Tensor, positions: np.ndarray, wdt: np.dtype[Any]) -> np.ndarray:
     positions = positions.astype(np.int64, copy=False)  # numpy indexes 2-3x faster with intp
     if local.device.type == "cpu":
@@ -82,7 +76,7 @@ def scatter(local: torch.Tensor, positions: np.ndarray, values: np.ndarray) -> N
             dest[idx] = values[lo : lo + STEP]
         return
     at = torch.from_numpy(expand(positions)).to(local.device, torch.int64)
-    vals = torch.from_numpy(values.view(signed(values.dtype.itemsize))).to(local.device)
+    vals = torch.from_numpy(values.view(signed_word_dtype(values.dtype.itemsize))).to(local.device)
     local.index_copy_(0, at, vals)
 
 
@@ -91,7 +85,7 @@ def scatter_range(local: torch.Tensor, start: int, values: np.ndarray) -> None:
     if local.device.type == "cpu":
         local.numpy().view(values.dtype)[start : start + values.size] = values
         return
-    vals = torch.from_numpy(values.view(signed(values.dtype.itemsize)))
+    vals = torch.from_numpy(values.view(signed_word_dtype(values.dtype.itemsize)))
     local[start : start + values.size].copy_(vals)
 
 
