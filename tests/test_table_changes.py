@@ -39,27 +39,14 @@ from deltastore.format.manifest import manifest_key
 from deltastore.maintenance.verify import verify_checkout
 from deltastore.testing.faults import FaultyStore, InjectedFault
 from deltastore_cli import app
+from tests.test_folders import assert_bit_exact as assert_exact
+from tests.test_folders import bits
 
 Tensors = dict[str, torch.Tensor]
-WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 INDEX = "model.safetensors.index.json"
 runner = CliRunner()
 
 # --- helpers ------------------------------------------------------------------------------
-
-
-def bits(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().reshape(-1).view(WORD[t.element_size()]).numpy()
-
-
-def assert_exact(expected: Tensors, got: Any) -> None:
-    """``got`` holds exactly the tensors of ``expected``: names, dtypes, shapes, bytes."""
-    assert got is not None
-    assert set(got) == set(expected)
-    for name, t in expected.items():
-        assert got[name].dtype == t.dtype, name
-        assert tuple(got[name].shape) == tuple(t.shape), name
-        assert np.array_equal(bits(got[name]), bits(t)), name
 
 
 def snapshot(tensors: Any) -> dict[str, np.ndarray]:
