@@ -24,6 +24,7 @@ from deltastore.errors import (
 from deltastore.format.keys import (
     LATEST_KEY,
     MAX_VERSION,
+    anchor_key,
     manifest_key,
 )
 from deltastore.format.manifest import (
@@ -37,6 +38,7 @@ from deltastore.format.manifest import (
     state_digest,
 )
 from deltastore.format.signing import SigningKey, sign_manifest
+from deltastore.publish.policy import AnchorCosts
 from deltastore.store import Store
 from deltastore.sync.chain import ChainReader
 
@@ -46,6 +48,35 @@ log = logging.getLogger("deltastore.publish.publisher")
 def head_version(store: Store) -> int | None:
     """The store's newest committed version (by listing ``manifests/``), or None."""
     return ChainReader(store).newest()
+
+
+def chain_costs(reader: ChainReader, version: int) -> AnchorCosts:
+    """The anchor account of the chain that ends at ``version``: its manifests read back to
+    the newest anchor version or anchor copy on it (``anchor`` None when the walk cannot get
+    there: a version is missing or damaged)."""
+    copies = set(reader.anchor_versions())
+    deltas: list[int] = []
+    costs = AnchorCosts()
+    v: int | None = version
+    try:
+        while v is not None:
+            m = reader.manifest(v)
+            if m.kind == "delta" and v in copies:
+                copy = reader.anchor_copy(v)
+                if copy.state_digest == m.state_digest:
+                    costs.anchored(v, copy.payload_bytes)
+                    break
+            if m.kind == "anchor":
+                costs.anchored(v, m.payload_bytes)
+                break
+            deltas.append(m.payload_bytes)
+            v = m.parent.version if m.parent is not None else None
+    except DeltastoreError as exc:
+        log.info("the chain below version %d has no anchor that can be read (%s)", version, exc)
+        return AnchorCosts(last_delta=deltas[0] if deltas else 0)
+    costs.delta_bytes, costs.deltas = sum(deltas), len(deltas)
+    costs.last_delta = deltas[0] if deltas else 0
+    return costs
 
 
 def check_version_number(version: object) -> None:
@@ -77,6 +108,38 @@ def commit_manifest(
     these bytes, the version is committed by this writer and the call succeeds; otherwise
     the error is raised (the version is not this writer's; when even the read-back fails,
     whether it is committed is unknown: see docs/guide.md, Several publishers)."""
+    manifest, body = build_manifest(
+        version=version,
+        kind=kind,
+        parent=parent,
+        entries=entries,
+        token=token,
+        signing_key=signing_key,
+    )
+    key = manifest_key(version)
+    try:
+        store.put_if_absent(key, body)
+    except StoreError:
+        # A lost response (or a retry that found our own first attempt): read the key back.
+        # The body holds this writer's random token and a timestamp, so equal bytes are ours.
+        if not _is_ours(store, key, body):
+            raise
+        log.info("version %d: the manifest create failed but the manifest is ours", version)
+    return manifest, body
+
+
+def build_manifest(
+    *,
+    version: int,
+    kind: Literal["anchor", "delta"],
+    parent: Parent | None,
+    entries: dict[str, TensorEntry],
+    token: str,
+    signing_key: SigningKey | None = None,
+) -> tuple[Manifest, bytes]:
+    """The manifest of ``version`` (signed with ``signing_key`` when given) and its bytes;
+    ``ValidationError`` when the model rejects it, :class:`ManifestError` when it is over the
+    size readers accept."""
     manifest = Manifest(
         format_version=1,
         version=version,
@@ -95,16 +158,37 @@ def commit_manifest(
             f"the manifest would be {len(body)} bytes, over the {MAX_MANIFEST_BYTES} readers "
             "accept; raise max_frame_bytes to write fewer frames"
         )
-    key = manifest_key(version)
+    return manifest, body
+
+
+def write_anchor_copy(
+    store: Store,
+    *,
+    version: int,
+    entries: dict[str, TensorEntry],
+    token: str,
+    signing_key: SigningKey | None = None,
+) -> Manifest | None:
+    """After ``version`` is committed: create its anchor copy ``anchors/<version>.json``
+    (an anchor manifest of the same state, spec section 9.4) with ``put_if_absent``. Best
+    effort, like ``LATEST``: the version is committed either way; returns the copy, or None
+    (logged) when it could not be written."""
+    manifest, body = build_manifest(
+        version=version,
+        kind="anchor",
+        parent=None,
+        entries=entries,
+        token=token,
+        signing_key=signing_key,
+    )
+    key = anchor_key(version)
     try:
         store.put_if_absent(key, body)
-    except StoreError:
-        # A lost response (or a retry that found our own first attempt): read the key back.
-        # The body holds this writer's random token and a timestamp, so equal bytes are ours.
+    except DeltastoreError as exc:
         if not _is_ours(store, key, body):
-            raise
-        log.info("version %d: the manifest create failed but the manifest is ours", version)
-    return manifest, body
+            log.warning("version %d is committed but its anchor copy is not (%s)", version, exc)
+            return None
+    return manifest
 
 
 def _is_ours(store: Store, key: str, body: bytes) -> bool:
@@ -206,10 +290,13 @@ def advance_latest(store: Store, version: int, body: bytes) -> None:
 
 __all__ = [
     "advance_latest",
+    "build_manifest",
+    "chain_costs",
     "check_head",
     "check_version_number",
     "commit_manifest",
     "conditional_writes",
     "confirm_commit",
     "head_version",
+    "write_anchor_copy",
 ]

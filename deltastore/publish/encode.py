@@ -13,30 +13,42 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import xxhash
 
 from deltastore.format.checksum import adler32, apply_delta, delta_sums
-from deltastore.format.codecs import RAW, Codec, CodecSet, FrameEncoder
+from deltastore.format.codecs import NEW_WORDS_CODECS, RAW, Codec, CodecSet, FrameEncoder
 
 
 @dataclass(frozen=True)
 class FrameJob:
     """One frame: the new words, and the parent's words and frame Adler-32 (None: no parent);
-    ``delta``: encode the changes (else the new words, ``raw`` or ``raw-planes``)."""
+    ``delta``: encode the changes (else the new words, ``raw`` or ``raw-planes``); ``full``:
+    also encode the new words, for an anchor copy (:attr:`Encoded.full`)."""
 
     new: np.ndarray
     old: np.ndarray | None
     parent_adler: int | None
     delta: bool
+    full: bool = False
+
+
+@dataclass(frozen=True)
+class FullFrame:
+    """A frame's new words encoded for an anchor copy: codec, stored bytes, their XXH3-64."""
+
+    codec: Codec
+    data: bytes
+    xxh3: str
 
 
 @dataclass(frozen=True)
 class Encoded:
     """What a frame job produced. ``data`` is None for an unchanged frame of a delta (nothing
-    is stored); ``pos``/``new_at``: frame-local changed positions and their new words."""
+    is stored); ``pos``/``new_at``: frame-local changed positions and their new words;
+    ``full``: the new words encoded for an anchor copy (None unless the job asked for it)."""
 
     changed: int
     adler: int
@@ -47,6 +59,7 @@ class Encoded:
     new_at: np.ndarray | None
     detect_s: float
     encode_s: float
+    full: FullFrame | None = None
 
 
 class FrameEncoders:
@@ -74,6 +87,18 @@ class FrameEncoders:
 
     def encode(self, job: FrameJob) -> Encoded:
         """Detect, checksum and encode one frame (any thread)."""
+        out = self._encode(job)
+        if not job.full:
+            return out
+        t0 = time.perf_counter()
+        if out.codec in NEW_WORDS_CODECS and out.data is not None:  # already the new words
+            full = FullFrame(out.codec, out.data, out.xxh3)
+        else:
+            codec, data = self._encoder().new_words(job.new)
+            full = FullFrame(codec, data, xxhash.xxh3_64_hexdigest(data))
+        return replace(out, full=full, encode_s=out.encode_s + time.perf_counter() - t0)
+
+    def _encode(self, job: FrameJob) -> Encoded:
         t0 = time.perf_counter()
         pos = self._diff(job.old, job.new) if job.old is not None else None
         t1 = time.perf_counter()
@@ -113,4 +138,4 @@ class FrameEncoders:
                 yield ahead.popleft().result()
 
 
-__all__ = ["Encoded", "FrameEncoders", "FrameJob"]
+__all__ = ["Encoded", "FrameEncoders", "FrameJob", "FullFrame"]

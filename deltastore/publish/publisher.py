@@ -49,14 +49,17 @@ from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys, verify_
 from deltastore.progress import ProgressFn, Ticker
 from deltastore.publish.commit import (
     advance_latest,
+    chain_costs,
     check_head,
     check_version_number,
     commit_manifest,
     conditional_writes,
     confirm_commit,
     head_version,
+    write_anchor_copy,
 )
 from deltastore.publish.encode import FrameEncoders, FrameJob
+from deltastore.publish.policy import AnchorCosts, AnchorPolicy
 from deltastore.publish.snapshot import (
     DiskSnapshot,
     HeldChange,
@@ -67,6 +70,7 @@ from deltastore.publish.snapshot import (
     row_range,
 )
 from deltastore.store import Store, open_store
+from deltastore.sync.chain import ChainReader
 from deltastore.tensors.dtypes import dtype_name, np_words
 from deltastore.tensors.tables import check_table, raise_if_mismatched
 
@@ -95,6 +99,12 @@ class PublishReport(SizeRatios):
     encode_s: float
     upload_s: float
     total_s: float
+    #: Why this version is an anchor or has an anchor copy (None: a plain delta), e.g.
+    #: ``"first version"``, ``"forced"``, ``"cost: ..."`` (the anchor policy's rule).
+    anchor_reason: str | None = None
+    #: Stored bytes of the version's anchor copy (``anchors/``), written beside its delta;
+    #: None when none was written (an anchor version's own size is ``payload_bytes``).
+    anchor_copy_bytes: int | None = None
 
 
 @dataclass
@@ -106,6 +116,8 @@ class Pending:
     updates: list[HeldChange] = field(default_factory=list)
     rows: dict[str, tuple[int, int]] = field(default_factory=dict)
     codecs: dict[str, int] = field(default_factory=dict)
+    #: The anchor copy's tensor entries (full frames), when one was encoded.
+    copy_entries: dict[str, TensorEntry] | None = None
     detect_s: float = 0.0
     encode_s: float = 0.0
     upload_s: float = 0.0
@@ -186,7 +198,12 @@ class ChainWriter:
         codecs: CodecSet = "v2",
         signing_key: KeyOption = FROM_ENV,
         unsafe_commits: bool = False,
+        anchor_policy: str | AnchorPolicy | None = None,
     ) -> None:
+        if anchor_policy is not None and self._shard is not None:
+            raise ValueError("anchor_policy is a Publisher option; shard writers write no copies")
+        self._policy = AnchorPolicy.parse(anchor_policy)
+        self._costs = AnchorCosts()
         if snapshot not in ("memory", "disk") or (snapshot == "disk") != (state_dir is not None):
             raise ValueError("snapshot must be 'memory', or 'disk' together with state_dir")
         if max_workers < 1:
@@ -291,18 +308,22 @@ class ChainWriter:
         kind: str,
         progress: ProgressFn | None,
         rows: Mapping[str, tuple[int, int]] | None = None,
+        *,
+        full: bool = False,
     ) -> Pending:
         """Detect and encode the changes of every tensor, upload the data objects.
 
         Frames are detected and encoded on ``max_workers`` threads and packed in order here
         (uploads overlap the encoding of later frames). ``rows`` places words at dim-0 rows of
         a larger global tensor (``specs`` holds its shape); frames are then cut from the start
-        of the words, at global positions.
+        of the words, at global positions. ``full``: also encode every frame's new words, in
+        the same pass, into an anchor copy (:attr:`Pending.copy_entries`; its data objects are
+        ``<prefix>-anchor-<seq>.dsz``).
         """
-        pending = Pending(rows=dict(rows or {}))
-        packs = _PackWriter(
-            self.store, f"{data_prefix(version)}{self.token[:12]}-", self._max_object_bytes, pending
-        )
+        pending = Pending(rows=dict(rows or {}), copy_entries={} if full else None)
+        prefix = f"{data_prefix(version)}{self.token[:12]}-"
+        packs = _PackWriter(self.store, prefix, self._max_object_bytes, pending)
+        copy_packs = _PackWriter(self.store, f"{prefix}anchor-", self._max_object_bytes, pending)
         grids = {n: self._frames_of(w.size, w.dtype.itemsize) for n, w in host.items()}
         ticker = Ticker(
             progress, sum(len(g) for g in grids.values()), sum(w.nbytes for w in host.values())
@@ -317,6 +338,7 @@ class ChainWriter:
                         None if prev is None else prev.words[a:b],
                         None if prev is None else prev.frame_adler[i],
                         kind == "delta" and prev is not None,
+                        full,
                     )
 
         results = self._encoders.map(jobs())
@@ -324,6 +346,7 @@ class ChainWriter:
             prev = parent_state[name] if parent_state is not None else None
             start = row_range(specs[name][1], rows[name])[0] if rows else 0
             frames: list[Frame] = []
+            copy_frames: list[Frame] = []
             frame_adler: list[int] = []
             total_adler, changed_total = 1, 0
             for i, (a, b) in enumerate(grids[name]):
@@ -347,6 +370,22 @@ class ChainWriter:
                         )
                     )
                     pending.codecs[out.codec] = pending.codecs.get(out.codec, 0) + 1
+                if out.full is not None:
+                    obj, offset = copy_packs.add(out.full.data)
+                    copy_frames.append(
+                        Frame(
+                            start=start + a,
+                            stop=start + b,
+                            codec=out.full.codec,
+                            object=obj,
+                            offset=offset,
+                            length=len(out.full.data),
+                            xxh3=out.full.xxh3,
+                            changed=b - a,
+                            adler32=out.adler,
+                            parent_adler32=None,
+                        )
+                    )
                 if prev is not None and out.pos is not None and out.pos.size:
                     new_at = words[a:b][out.pos] if out.new_at is None else out.new_at
                     pending.updates.append(HeldChange(prev.words, out.pos + a, new_at))
@@ -363,7 +402,18 @@ class ChainWriter:
                 changed=changed_total,
                 frames=frames,
             )
+            if pending.copy_entries is not None:
+                numel = math.prod(specs[name][1])
+                pending.copy_entries[name] = TensorEntry(
+                    dtype=specs[name][0],
+                    shape=specs[name][1],
+                    adler32=total_adler,
+                    parent_adler32=None,
+                    changed=numel,
+                    frames=copy_frames,
+                )
         packs.flush()
+        copy_packs.flush()
         return pending
 
     def _report(
@@ -374,6 +424,8 @@ class ChainWriter:
         host: Mapping[str, np.ndarray],
         pending: Pending,
         t_start: float,
+        anchor_reason: str | None = None,
+        anchor_copy_bytes: int | None = None,
     ) -> PublishReport:
         """What was published of ``host`` (the words this writer encoded)."""
         entries = pending.entries.values()
@@ -391,6 +443,8 @@ class ChainWriter:
             encode_s=pending.encode_s,
             upload_s=pending.upload_s,
             total_s=time.perf_counter() - t_start,
+            anchor_reason=anchor_reason,
+            anchor_copy_bytes=anchor_copy_bytes,
         )
 
     def _adopt(
@@ -443,6 +497,15 @@ class Publisher(ChainWriter):
     store; each commit is read back and :class:`ForkError` raised when the manifest is not
     this publisher's; a no-op on stores that enforce them).
     """
+
+    def _copy_reason(self) -> str | None:
+        """Why the next delta gets an anchor copy, by the anchor policy (None: it does not).
+        A publisher that does not know the newest anchor yet (attached, or restarted from a
+        disk snapshot) reads it from the store first: the manifests from its version back
+        to the newest anchor copy or anchor (once)."""
+        if self._costs.anchor is None and self._held.version is not None:
+            self._costs = chain_costs(ChainReader(self.store), self._held.version)
+        return self._costs.reason(self._policy, self._costs.last_delta)
 
     def attach(self, tensors: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
         """Continue the chain of an existing store from ``tensors`` at ``version``.
@@ -500,10 +563,21 @@ class Publisher(ChainWriter):
         kind: Literal["anchor", "delta"] = "anchor" if anchor or not same_table else "delta"
         parent_state = state if same_table else None
         parent = self._parent() if parent_state is not None else None
+        reason = (
+            self._copy_reason()
+            if kind == "delta"
+            else "forced"
+            if anchor
+            else "first version"
+            if state is None
+            else "the tensor table changed"
+        )
+        full = kind == "delta" and reason is not None
         host = {n: np_words(t.detach().cpu().contiguous()) for n, t in tensors.items()}
-        pending = self._encode(version, host, table, parent_state, kind, progress)
+        pending = self._encode(version, host, table, parent_state, kind, progress, full=full)
         t0 = time.perf_counter()
         check_head(self.store, version, parent)  # a zombie publisher stops here
+        signing = self._signing[0] if self._signing else None
         manifest, body = commit_manifest(
             self.store,
             version=version,
@@ -511,16 +585,38 @@ class Publisher(ChainWriter):
             parent=parent,
             entries=pending.entries,
             token=self.token,
-            signing_key=self._signing[0] if self._signing else None,
+            signing_key=signing,
         )
         if not enforced:  # nothing stopped a second publisher: read back, before and after
             confirm_commit(self.store, version, body)
+        copy = None
+        if pending.copy_entries is not None:  # committed: its anchor copy, then LATEST
+            copy = write_anchor_copy(
+                self.store,
+                version=version,
+                entries=pending.copy_entries,
+                token=self.token,
+                signing_key=signing,
+            )
         advance_latest(self.store, version, body)
         if not enforced:
             confirm_commit(self.store, version, body)
         pending.upload_s += time.perf_counter() - t0
         self._adopt(manifest, host, pending, incremental=parent is not None)
-        report = self._report(version, kind, parent, host, pending, t_start)
+        if kind == "anchor" or copy is not None:
+            self._costs.anchored(version, (copy or manifest).payload_bytes)
+        else:
+            self._costs.delta(manifest.payload_bytes)
+        report = self._report(
+            version,
+            kind,
+            parent,
+            host,
+            pending,
+            t_start,
+            reason if kind == "anchor" or copy is not None else None,
+            None if copy is None else copy.payload_bytes,
+        )
         log.info(
             "published v%d (%s): %.3f%% changed, %d payload bytes (%.2f%% of dense)",
             version,

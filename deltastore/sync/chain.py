@@ -28,7 +28,8 @@ import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from deltastore.errors import (
     ChainError,
@@ -39,7 +40,15 @@ from deltastore.errors import (
     WrongParentError,
 )
 from deltastore.format.chain import State
-from deltastore.format.keys import LATEST_KEY, MANIFEST_PREFIX, manifest_key, version_of_key
+from deltastore.format.keys import (
+    ANCHOR_PREFIX,
+    LATEST_KEY,
+    MANIFEST_PREFIX,
+    anchor_key,
+    manifest_key,
+    version_of_anchor_key,
+    version_of_key,
+)
 from deltastore.format.manifest import Manifest, parse_latest, parse_manifest
 from deltastore.format.signing import SignatureError, SigningKey, verify_manifest
 from deltastore.store import Store
@@ -68,16 +77,28 @@ class Chain:
     listed: set[int]
     manifests: dict[int, Manifest]
     sha256: dict[int, str]
+    #: The anchor copies that parse, validate, pass the signature check, name their own
+    #: version and are anchors (``anchors/``; spec section 9.4), by version.
+    copies: dict[int, Manifest] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Plan:
     """The versions to apply to reach a target, oldest first (``steps``; empty: the held
     state is the target's), and why the held state did not fit the chain (``why``; None: it
-    did, or there is none)."""
+    did, or there is none).
+
+    ``path``: ``"deltas"`` (from the held version), ``"anchor"`` (from an anchor: the first
+    step; an anchor copy or an anchor version), ``"none"`` (nothing to apply). ``path_bytes``:
+    the stored bytes of the steps; ``other_bytes``: those of the path not taken (from the held
+    version when an anchor was taken, or from the newest anchor when deltas were), None when
+    there was no other path or it was not priced."""
 
     steps: tuple[Manifest, ...]
     why: str | None
+    path: Literal["none", "deltas", "anchor"] = "none"
+    path_bytes: int = 0
+    other_bytes: int | None = None
 
 
 class ChainReader:
@@ -101,6 +122,7 @@ class ChainReader:
         self._keys = tuple(keys)
         self._size = cache
         self._cache: OrderedDict[int, Manifest] = OrderedDict()
+        self._copies: dict[int, Manifest] = {}  # anchor copies read, oldest first
         self._seen: int | None = None  # newest committed version seen by latest()
         self._hint: tuple[str | None, int | None] = (None, None)  # LATEST (token, version)
 
@@ -119,6 +141,41 @@ class ChainReader:
             else self.store.list_after(MANIFEST_PREFIX, manifest_key(version))
         )
         return sorted(v for k in keys if (v := version_of_key(k)) is not None)
+
+    def anchor_versions(self) -> list[int]:
+        """The versions that have an anchor copy (``anchors/``), ascending (one listing)."""
+        keys = self.store.list(ANCHOR_PREFIX)
+        return sorted(v for k in keys if (v := version_of_anchor_key(k)) is not None)
+
+    def anchor_copy(self, version: int) -> Manifest:
+        """The checked anchor copy of ``version`` (cached): parsed, validated, signed as
+        required, naming ``version`` and of kind ``anchor``. :class:`ManifestNotFoundError`
+        when there is none; :class:`ManifestError` / :class:`SignatureError` when damaged."""
+        cached = self._copies.get(version)
+        if cached is not None:
+            return cached
+        key = anchor_key(version)
+        try:
+            data = self.store.get(key)
+        except ObjectNotFoundError:
+            raise ManifestNotFoundError(
+                f"version {version} has no anchor copy in store {self.store.url}"
+            ) from None
+        m = self._parse_copy(version, data)
+        self._copies[version] = m
+        while len(self._copies) > self._size:
+            self._copies.pop(next(iter(self._copies)))
+        return m
+
+    def _parse_copy(self, version: int, data: bytes) -> Manifest:
+        key = anchor_key(version)
+        m = parse_manifest(data, key=key)
+        verify_manifest(m, self._keys, version=version, name=key)
+        if m.version != version:
+            raise ManifestError(f"{key} claims version {m.version}; the store is damaged")
+        if m.kind != "anchor":
+            raise ManifestError(f"{key} is a {m.kind}, not an anchor; the store is damaged")
+        return m
 
     def newest(self) -> int | None:
         """The store's newest committed version by listing every manifest (``LATEST`` is not
@@ -193,8 +250,10 @@ class ChainReader:
         publisher race), or every cached one (None: the store changed under the reader)."""
         if version is None:
             self._cache.clear()
+            self._copies.clear()
         else:
             self._cache.pop(version, None)
+            self._copies.pop(version, None)
 
     def _remember(self, version: int, data: bytes) -> Manifest:
         """Check the manifest bytes of ``version`` and keep the result in the cache."""
@@ -240,7 +299,16 @@ class ChainReader:
                 on_damaged(Damaged(v, key, f"claims version {m.version}", _claims(v, m)))
                 continue
             manifests[v], sha256[v] = m, hashlib.sha256(data).hexdigest()
-        return Chain(listed, manifests, sha256)
+        copies: dict[int, Manifest] = {}
+        for v in self.anchor_versions():
+            key = anchor_key(v)
+            try:
+                copies[v] = self._parse_copy(v, self.store.get(key))
+            except ObjectNotFoundError as exc:
+                on_damaged(Damaged(v, key, "listed, but gone when read", exc))
+            except (ManifestError, SignatureError) as exc:
+                on_damaged(Damaged(v, key, str(exc), exc))
+        return Chain(listed, manifests, sha256, copies)
 
     def check_latest(self, chain: Chain) -> Damaged | None:
         """What is wrong with ``LATEST`` given the manifests ``chain`` read (None: nothing,
@@ -269,11 +337,17 @@ class ChainReader:
     # --- planning -----------------------------------------------------------------------
 
     def plan(self, target: int, held: State | None) -> Plan:
-        """The versions to apply to go from the ``held`` state (None: none, start from an
-        anchor) to ``target`` (see the module docstring). Reads manifests through the cache;
-        when the held state turns out not to fit the chain, the cache is dropped (the store
-        changed under the reader) and the plan goes back to the newest anchor at or below
-        ``target``. :class:`ManifestNotFoundError` when ``target`` is not committed."""
+        """The cheapest versions to apply to go from the ``held`` state (None: none, start
+        from an anchor) to ``target`` (see the module docstring), by stored bytes: the deltas
+        from the held version, or the newest anchor on the target's chain (an anchor copy,
+        ``anchors/``, or an anchor version) and the deltas after it, whichever is smaller. A
+        one-version step from the held version is taken as is (no anchor is looked for).
+
+        Reads manifests through the cache; when the held state turns out not to fit the
+        chain, the cache is dropped (the store changed under the reader) and the plan goes
+        back to the newest anchor at or below ``target``; likewise when versions between the
+        held one and the target were deleted (retention). :class:`ManifestNotFoundError`
+        when ``target`` is not committed."""
         m = self.manifest(target)
         why: str | None = None
         if held is not None and target == held.version:
@@ -282,15 +356,27 @@ class ChainReader:
             why = f"version {target} in the store is another state than the held version {target}"
             held = None
             self.forget(None)
-        steps: list[Manifest] = []
+        if held is not None and m.kind == "delta" and held.fits(m):
+            return Plan((m,), None, "deltas", m.payload_bytes)
+        copies = set(self.anchor_versions())
+        walked: list[Manifest] = []  # from the target down
+        copy: tuple[int, Manifest] | None = None  # (index in walked, the newest copy on the chain)
+        reached = False  # the walk reached the held version
         while True:
-            steps.append(m)
+            walked.append(m)
             if m.kind == "anchor":
                 break
+            if copy is None and m.version in copies and (held is None or m.version > held.version):
+                found = self._usable_copy(m)
+                if found is not None:
+                    copy = (len(walked) - 1, found)
+                    if held is None:
+                        break
             if m.parent is None:  # pragma: no cover - a delta always has a parent (validated)
                 raise ManifestError(f"delta {m.version} has no parent")
             if held is not None and m.parent.version <= held.version:
                 if held.fits(m):
+                    reached = True
                     break
                 why = (
                     f"version {m.version} is a delta on another state of version {held.version} "
@@ -301,9 +387,48 @@ class ChainReader:
                 )
                 held = None
                 self.forget(None)
-            m = self._parent(target, m, why)
-        steps.reverse()
-        return Plan(tuple(steps), why)
+                if copy is not None:
+                    break
+            if copy is not None and held is not None:
+                i, c = copy
+                if _bytes(walked) > c.payload_bytes + _bytes(walked[:i]):
+                    break  # the deltas below cost more than the copy already
+            try:
+                m = self._parent(target, m, why)
+            except (ChainError, WrongParentError):
+                if copy is None:
+                    raise
+                gone = m.parent.version if m.parent is not None else m.version
+                why = why or (
+                    f"version {gone} on the way from the held version to {target} is not in "
+                    "the store any more (deleted by retention?)"
+                )
+                held = None
+                break
+        deltas = _bytes(walked) if reached else None
+        via_copy = None if copy is None else copy[1].payload_bytes + _bytes(walked[: copy[0]])
+        if copy is not None and via_copy is not None and (deltas is None or via_copy < deltas):
+            i, c = copy
+            other = deltas if reached else _bytes(walked) if walked[-1].kind == "anchor" else None
+            return Plan((c, *reversed(walked[:i])), why, "anchor", via_copy, other)
+        walked.reverse()
+        return Plan(tuple(walked), why, "deltas" if reached else "anchor", _bytes(walked), via_copy)
+
+    def _usable_copy(self, m: Manifest) -> Manifest | None:
+        """The anchor copy of ``m``'s version when it holds ``m``'s state (None otherwise:
+        damaged, gone, or of another state, which is logged)."""
+        try:
+            c = self.anchor_copy(m.version)
+        except DeltastoreError as exc:
+            log.warning("anchor copy of version %d unusable (%s); ignored", m.version, exc)
+            return None
+        if c.state_digest != m.state_digest:
+            log.warning(
+                "anchor copy of version %d holds another state than its manifest; ignored",
+                m.version,
+            )
+            return None
+        return c
 
     def _parent(self, target: int, child: Manifest, why: str | None) -> Manifest:
         """The manifest ``child`` is a delta on, checked to be the state ``child`` names."""
@@ -329,6 +454,11 @@ class ChainReader:
                 "does not hold: two publishers raced?): publish an anchor"
             )
         return parent
+
+
+def _bytes(manifests: Sequence[Manifest]) -> int:
+    """Stored bytes of the frames of ``manifests``."""
+    return sum(m.payload_bytes for m in manifests)
 
 
 def _claims(version: int, m: Manifest) -> ManifestError:

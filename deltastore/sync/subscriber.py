@@ -29,6 +29,7 @@ from deltastore.errors import (
     IntegrityError,
     ManifestError,
     ManifestNotFoundError,
+    ObjectNotFoundError,
     TensorMismatchError,
     WrongParentError,
 )
@@ -43,9 +44,10 @@ from deltastore.layout.boxes import Layout
 from deltastore.progress import ProgressFn
 from deltastore.store import Store, open_store
 from deltastore.sync.apply import Hooks, Sums, frame_totals, verify_tensors, write_phase, writes_of
-from deltastore.sync.chain import ChainReader
+from deltastore.sync.chain import ChainReader, Plan
 from deltastore.sync.fetch import Fetcher, FrameTask, Timer, frame_tasks
 from deltastore.sync.group import Group
+from deltastore.sync.lease import DEFAULT_LEASE_TTL_S, LeaseKeeper
 from deltastore.sync.ranks import LayoutSync
 from deltastore.sync.stage import Staged, check_frames, stage_frame
 from deltastore.tensors.dtypes import dtype_from_name, dtype_name, flat_words
@@ -70,7 +72,11 @@ class SyncReport(SizeRatios):
     ``fetch_s`` and ``decode_s`` are summed over worker threads (they overlap in wall time);
     ``verify_s`` and ``pause_s`` are wall time; ``pause_s`` is the time tensors were written.
     ``kind`` is ``"anchor"`` when a full version was applied, ``"delta"`` when only deltas
-    were, ``"none"`` when the tensors already were at the target.
+    were, ``"none"`` when the tensors already were at the target. ``path`` is the catch-up
+    path chosen by stored bytes (:meth:`deltastore.sync.chain.ChainReader.plan`):
+    ``"deltas"`` from the held version, ``"anchor"`` from the newest anchor (copy) at or below
+    the target, ``"none"``; ``path_bytes`` its stored bytes as planned and ``other_bytes``
+    those of the path not taken (None: there was none, or it was not priced).
     """
 
     version: int
@@ -87,6 +93,9 @@ class SyncReport(SizeRatios):
     verify_s: float
     pause_s: float
     total_s: float
+    path: Literal["none", "deltas", "anchor"] = "none"
+    path_bytes: int = 0
+    other_bytes: int | None = None
 
 
 class Subscriber:
@@ -119,6 +128,13 @@ class Subscriber:
     must then be signed with one of them for its own version, checked before any frame is
     fetched (:class:`~deltastore.SignatureError`). Default: ``DELTASTORE_SIGNING_KEY``
     if set; None: signatures are not checked.
+
+    ``reader_id`` / ``lease_ttl``: the subscriber keeps a lease ``leases/<reader_id>.json`` on
+    the versions it needs (written before a sync fetches from an older base and after each
+    sync, renewed by :meth:`latest` and :meth:`sync` after half of ``lease_ttl`` seconds), so
+    that ``gc --keep`` does not delete them; ``lease_ttl=None`` writes no lease. With a group,
+    only rank 0 writes it. A lease that cannot be written is logged and changes nothing else.
+    Default id: ``<host>-<pid>-<random>``; :meth:`close` removes the lease.
     """
 
     def __init__(
@@ -137,6 +153,8 @@ class Subscriber:
         pause: Callable[[], None] | None = None,
         resume: Callable[[], None] | None = None,
         signing_key: KeyOption = FROM_ENV,
+        reader_id: str | None = None,
+        lease_ttl: float | None = DEFAULT_LEASE_TTL_S,
     ) -> None:
         if version is not None and tensors is None:
             raise ValueError("version= needs tensors=: the tensors that are at that version")
@@ -154,6 +172,9 @@ class Subscriber:
         self._max_frame_bytes = max_frame_bytes
         self._frames = Fetcher(self.store, max_workers, max_inflight_bytes)
         self._group = Group(group)
+        self._lease = LeaseKeeper(
+            self.store, reader_id, lease_ttl if self._group.rank == 0 else None
+        )
         self._hooks = Hooks(pause, resume)
         self._layout = None if layout is None and group is None else LayoutSync(layout, self._group)
         self._chain = ChainReader(self.store, keys=resolve_keys(signing_key))
@@ -168,6 +189,15 @@ class Subscriber:
         """The version the tensors are at (None: unknown / not yet synced)."""
         return self._version
 
+    @property
+    def reader_id(self) -> str:
+        """The id of this subscriber's lease (``leases/<reader_id>.json``)."""
+        return self._lease.reader
+
+    def close(self) -> None:
+        """Remove this subscriber's lease (best effort): it stops following the store."""
+        self._lease.release()
+
     # --- store reads --------------------------------------------------------------------
 
     def versions(self) -> list[int]:
@@ -181,9 +211,12 @@ class Subscriber:
         manifest must exist with the SHA-256 it names, else the hint is ignored), then a
         listing of ``manifests/`` after the newest version known, since ``LATEST`` is only a
         hint and a committed manifest may be newer than it
-        (:meth:`deltastore.sync.chain.ChainReader.latest`).
+        (:meth:`deltastore.sync.chain.ChainReader.latest`). Renews the lease when it is due.
         """
-        return self._chain.latest()
+        newest = self._chain.latest()
+        if self._version is not None:
+            self._lease.hold(self._version)
+        return newest
 
     def manifest(self, version: int) -> Manifest:
         """The parsed, validated manifest of ``version`` (cached; manifests are immutable),
@@ -242,19 +275,42 @@ class Subscriber:
             raise ChainError(
                 f"the tensors are at version {start}, newer than the requested {target}"
             )
-        steps = self._plan(target)
-        self._check_tables(steps)
+        plan = self._plan(target)
         timer = Timer(
             progress,
-            sum(len(t.frames) for m in steps for t in m.tensors.values()),
-            sum(m.payload_bytes for m in steps),
+            sum(len(t.frames) for m in plan.steps for t in m.tensors.values()),
+            sum(m.payload_bytes for m in plan.steps),
         )
+        applied: list[Manifest] = []
         verify_s = pause_s = 0.0
-        for m in steps:
-            v_s, p_s = self._apply(m, timer)
-            verify_s, pause_s = verify_s + v_s, pause_s + p_s
-            if on_version is not None:
-                on_version(m)
+        for attempt in range(2):
+            self._check_tables(list(plan.steps))
+            base = plan.steps[0].version if plan.path == "anchor" else self._version
+            if base is not None:  # before fetching: the versions from base up are needed
+                self._lease.hold(min(base, self._lease.version or base))
+            try:
+                for m in plan.steps:
+                    v_s, p_s = self._apply(m, timer)
+                    verify_s, pause_s = verify_s + v_s, pause_s + p_s
+                    applied.append(m)
+                    if on_version is not None:
+                        on_version(m)
+                break
+            except ObjectNotFoundError as exc:
+                if attempt or self._group.world > 1 or isinstance(exc, ManifestNotFoundError):
+                    raise
+                # a planned version's data is gone (retention): plan again from here
+                log.warning(
+                    "store %s: %s; planning again from version %s",
+                    self.store.url,
+                    exc,
+                    self._version,
+                )
+                self._chain.forget(None)
+                plan = self._plan(target)
+        steps = applied
+        if self._version is not None:
+            self._lease.hold(self._version)
         kind: Literal["anchor", "delta", "none"] = (
             "none" if not steps else "anchor" if any(m.kind == "anchor" for m in steps) else "delta"
         )
@@ -274,9 +330,12 @@ class Subscriber:
             verify_s=verify_s,
             pause_s=pause_s,
             total_s=time.perf_counter() - t_start,
+            path=plan.path,
+            path_bytes=plan.path_bytes,
+            other_bytes=plan.other_bytes,
         )
 
-    def _plan(self, target: int) -> list[Manifest]:
+    def _plan(self, target: int) -> Plan:
         """Versions to apply, oldest first (see :meth:`deltastore.sync.chain.ChainReader.plan`)."""
         held = (
             None
@@ -292,7 +351,7 @@ class Subscriber:
                 plan.steps[0].version,
                 target,
             )
-        return list(plan.steps)
+        return plan
 
     def _check_tables(self, steps: list[Manifest]) -> None:
         """Before anything is fetched: a change of the tensor table along ``steps`` needs an
