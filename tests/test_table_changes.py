@@ -35,6 +35,7 @@ from deltastore.checkpoint.folders import PENDING, SIDECAR, FolderSync, pull_che
 from deltastore.checkpoint.safetensors import create_checkpoint
 from deltastore.errors import ChainError, TableChangedError
 from deltastore.format.codecs import FrameDecoder
+from deltastore.format.keys import anchor_key
 from deltastore.format.manifest import manifest_key
 from deltastore.maintenance.verify import verify_checkout
 from deltastore.testing.faults import FaultyStore, InjectedFault
@@ -475,9 +476,13 @@ def test_cli_pull_of_a_folder_off_the_chain(tmp_path: Path) -> None:
     assert "heldversion5" in "".join(result.stderr.split())
     assert_folder(fork.folder, fork.store, fork.winner[6], 6)
     (fork.store / manifest_key(1)).unlink()
-    fork.wpub.publish(fork.winner[7], version=7)
+    # a publisher that cannot find an anchor below its version writes an anchor copy with
+    # its next delta (whatever its policy's budget), so fresh readers can start there again
+    healed = fork.wpub.publish(fork.winner[7], version=7)
+    assert healed.anchor_copy_bytes and "no anchor known" in str(healed.anchor_reason)
+    (fork.store / anchor_key(7)).unlink()
     shutil.rmtree(fork.folder)
-    # a fresh folder has nothing to recover: the missing anchor is the store's problem
+    # without it, a fresh folder has nothing to recover: the missing anchor is the store's
     result = runner.invoke(app, ["pull", str(fork.store), str(fork.folder)])
     assert result.exit_code != 0
     assert "publishananchor" in "".join(result.stderr.split())

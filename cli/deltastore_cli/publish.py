@@ -45,6 +45,14 @@ def publish(
         ),
     ] = None,
     codecs: CodecsOpt = "v2",
+    anchor_policy: Annotated[
+        str,
+        typer.Option(
+            help="When a delta also gets an anchor copy (a full copy for fresh replicas): "
+            "'cost' (when the deltas since the newest anchor exceed its size), 'cost:K' (K "
+            "times its size), 'every:N' (every N versions) or 'never'.",
+        ),
+    ] = "cost",
     unsafe_commits: Annotated[
         bool,
         typer.Option(
@@ -60,6 +68,12 @@ def publish(
 ) -> None:
     """Publish checkpoint SRC as version N (a delta when a parent is known, else an anchor)."""
     from deltastore.checkpoint.folders import publish_checkpoint
+    from deltastore.publish.policy import AnchorPolicy
+
+    try:
+        policy = AnchorPolicy.parse(anchor_policy)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--anchor-policy") from None
 
     with progress_bar(ctx, f"publish v{version}") as progress:
         report = publish_checkpoint(
@@ -74,6 +88,7 @@ def publish(
             max_frame_bytes=max_frame_bytes,
             zstd_level=zstd_level,
             codecs=codecs,
+            anchor_policy=policy,
             unsafe_commits=unsafe_commits,
         )
     settle()
@@ -85,6 +100,13 @@ def publish(
         + (f" on v{report.parent}" if report.parent is not None else "")
         + f"): {100 * report.changed_fraction:.3f}% changed, "
         f"{human_bytes(report.payload_bytes)} ({100 * report.payload_ratio:.2f}% of dense) "
-        f"in {report.total_s:.2f} s",
+        f"in {report.total_s:.2f} s"
+        + (
+            f"; anchor copy {human_bytes(report.anchor_copy_bytes)} ({report.anchor_reason})"
+            if report.anchor_copy_bytes is not None
+            else f"; anchor: {report.anchor_reason}"
+            if report.kind == "anchor"
+            else ""
+        ),
         highlight=False,
     )

@@ -6,7 +6,7 @@ import dataclasses
 import signal
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -58,6 +58,22 @@ def pull(
     interval: Annotated[
         float, typer.Option(min=0.05, help="Seconds between polls with --watch (±20% jitter).")
     ] = 5.0,
+    reader_id: Annotated[
+        str | None,
+        typer.Option(
+            help="Id of this reader's lease (leases/<id>.json), which keeps the versions it "
+            "needs from `gc --keep`.",
+            show_default="<host>-<pid>-<random>",
+        ),
+    ] = None,
+    lease_ttl: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            metavar="SECONDS",
+            help="Lease length, renewed after half of it while following; 0: write no lease.",
+        ),
+    ] = 600.0,
     storage_option: StorageOpt = None,
     timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
@@ -65,8 +81,15 @@ def pull(
     """Bring folder DEST to a version: created from the newest anchor when empty, else
     updated in place. With --watch, follow the store until interrupted."""
     from deltastore.checkpoint.folders import pull_checkpoint, watch_checkpoint
+    from deltastore.format.keys import lease_key
 
+    if reader_id is not None:
+        try:
+            lease_key(reader_id)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--reader-id") from None
     options = parse_storage_options(storage_option, timeout=timeout)
+    lease: dict[str, Any] = {"reader_id": reader_id, "lease_ttl": lease_ttl or None}
     if watch:
         if version is not None:
             raise typer.BadParameter("--watch follows the newest version; drop --version")
@@ -83,6 +106,7 @@ def pull(
                 stop=stop,
                 on_report=lambda r: print_pull(r, json_out),
                 storage_options=options,
+                **lease,
             )
         finally:  # before the outcome is settled (which ignores Ctrl-C from then on)
             for sig, handler in previous.items():
@@ -93,7 +117,7 @@ def pull(
         return
     with progress_bar(ctx, "pull") as progress:
         report = pull_checkpoint(
-            store, dest, version=version, storage_options=options, progress=progress
+            store, dest, version=version, storage_options=options, progress=progress, **lease
         )
     settle()
     print_pull(report, json_out)

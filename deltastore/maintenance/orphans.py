@@ -40,6 +40,7 @@ from typing import Any
 
 from deltastore.errors import ManifestError, ObjectNotFoundError, StoreError
 from deltastore.format.keys import DATA_PREFIX, MANIFEST_PREFIX
+from deltastore.maintenance.retention import DEFAULT_LEASE_GRACE_S, RetentionReport, retain
 from deltastore.store import LocalStore, Store, open_store
 from deltastore.sync.chain import ChainReader, Damaged
 
@@ -85,6 +86,8 @@ class GcReport:
     removed: tuple[str, ...]
     dry_run: bool
     min_age_s: float
+    #: What ``keep=N`` retention kept and deleted (None: not asked for).
+    retention: RetentionReport | None = None
 
     @property
     def kept(self) -> tuple[Orphan, ...]:
@@ -100,6 +103,8 @@ class GcReport:
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["removed_bytes"] = self.removed_bytes
+        if self.retention is not None:
+            out["retention"]["deleted_bytes"] = self.retention.deleted_bytes
         return out
 
 
@@ -126,18 +131,29 @@ def gc(
     url: str | os.PathLike[str] | Store,
     *,
     orphans: bool = False,
+    keep: int | None = None,
     dry_run: bool = False,
     min_age_s: float = DEFAULT_MIN_AGE_S,
+    lease_grace_s: float = DEFAULT_LEASE_GRACE_S,
     storage_options: dict[str, Any] | None = None,
 ) -> GcReport:
-    """Remove the orphans of the store (``orphans=True``; the only garbage collected in this
-    release) except those kept by ``min_age_s``; with ``dry_run``, remove nothing and report
-    what would be removed. An orphan that disappears meanwhile is skipped."""
-    if not orphans:
-        raise ValueError("nothing to collect: pass orphans=True (CLI: --orphans)")
+    """Collect the store's garbage; with ``dry_run``, remove nothing and report what would be.
+
+    ``keep=N``: delete the committed versions that neither the newest ``N`` versions nor a
+    live reader lease need (:func:`deltastore.maintenance.retention.retain`; leases count
+    until ``lease_grace_s`` seconds after they expire), manifests before their objects, oldest
+    first. ``orphans=True``: then remove the orphans, except those kept by ``min_age_s``; an
+    orphan that disappears meanwhile is skipped. At least one of the two is required."""
+    if not orphans and keep is None:
+        raise ValueError(
+            "nothing to collect: pass keep=N and/or orphans=True (CLI: --keep N, --orphans)"
+        )
     store = open_store(url, storage_options)
-    scan = _scan(store, min_age_s)
+    retention = (
+        None if keep is None else retain(store, keep, dry_run=dry_run, grace_s=lease_grace_s)
+    )
     removed: list[str] = []
+    scan = _scan(store, min_age_s) if orphans else _Scan(None, 0, 0, [])
     for orphan in scan.orphans:
         if orphan.kept is None:
             if not dry_run:
@@ -152,6 +168,7 @@ def gc(
         removed=tuple(removed),
         dry_run=dry_run,
         min_age_s=min_age_s,
+        retention=retention,
     )
 
 
@@ -193,6 +210,8 @@ def _read_manifests(reader: ChainReader, versions: set[int], referenced: set[str
     for version, manifest in chain.manifests.items():
         versions.add(version)
         referenced.update(f.object for e in manifest.tensors.values() for f in e.frames)
+    for copy in chain.copies.values():  # an anchor copy's objects are never orphans
+        referenced.update(f.object for e in copy.tensors.values() for f in e.frames)
 
 
 def _refuse(damaged: Damaged) -> None:

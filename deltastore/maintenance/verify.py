@@ -39,12 +39,12 @@ import xxhash
 from deltastore.checkpoint.safetensors import CheckpointError, MappedCheckpoint, locate, table_of
 from deltastore.errors import ObjectNotFoundError
 from deltastore.format import chain as link
-from deltastore.format.keys import DATA_PREFIX, manifest_key
+from deltastore.format.keys import DATA_PREFIX, anchor_key, manifest_key
 from deltastore.format.manifest import Frame, Manifest
 from deltastore.maintenance.replay import ADLER32, FRAME, Replay
 from deltastore.progress import ProgressFn, Ticker
 from deltastore.store import Store, open_store
-from deltastore.sync.chain import ChainReader
+from deltastore.sync.chain import Chain, ChainReader
 
 # --- problem kinds -------------------------------------------------------------------------
 #: A manifest that does not parse or validate, or claims another version than its key.
@@ -227,10 +227,11 @@ def verify_store(
     if latest is not None:
         problems.add(LATEST, latest.version, latest.key, latest.message)
     manifests = chain.manifests
-    _check_chains(chain.listed, manifests, problems)
+    copies = _usable_copies(chain, problems)
+    _check_chains(chain.listed, manifests, problems, set(copies))
     refs = [
         _Ref(v, name, f)
-        for v, m in sorted(manifests.items())
+        for v, m in [*sorted(manifests.items()), *sorted(copies.items())]
         for name, e in m.tensors.items()
         for f in e.frames
     ]
@@ -240,8 +241,13 @@ def verify_store(
     named = {r.frame.object for r in refs}
     orphans = sum(k not in named for k in store.list(DATA_PREFIX))
     checked = unverified = 0
-    if deep:
-        replay = Replay(store, manifests, bad, problems.add, ticker)
+    if deep:  # a version whose parent is gone (retention) is replayed from its anchor copy
+        starts = {
+            v: c
+            for v, c in copies.items()
+            if (p := manifests[v].parent) is None or p.version not in manifests
+        }
+        replay = Replay(store, manifests | starts, bad, problems.add, ticker)
         checked, unverified = replay.run()
         nbytes += replay.nbytes
     return _report(
@@ -270,8 +276,25 @@ def _check_link(m: Manifest, parent: Manifest, problems: _Found) -> bool:
     return not misfits or m.kind == "anchor"
 
 
-def _check_chains(listed: set[int], manifests: dict[int, Manifest], problems: _Found) -> None:
-    """Every delta's link to its parent, and whether each version reaches an anchor."""
+def _usable_copies(chain: Chain, problems: _Found) -> dict[int, Manifest]:
+    """The anchor copies of committed versions that hold their version's state; each other
+    one is a problem (a copy of no committed version, or of another state)."""
+    usable = {}
+    for v, c in sorted(chain.copies.items()):
+        m = chain.manifests.get(v)
+        if m is not None and m.state_digest == c.state_digest:
+            usable[v] = c
+        elif m is not None or v not in chain.listed:
+            what = "no committed version" if m is None else "another state than its version"
+            problems.add(MANIFEST, v, anchor_key(v), f"anchor copy of {what}")
+    return usable
+
+
+def _check_chains(
+    listed: set[int], manifests: dict[int, Manifest], problems: _Found, copies: set[int]
+) -> None:
+    """Every delta's link to its parent, and whether each version reaches an anchor (an
+    anchor version, or a version with a usable anchor copy: its parent may be gone)."""
     reach: dict[int, bool] = {}
     breaks: dict[int, int] = {}  # unreachable version -> where its chain breaks
     for v in sorted(listed):
@@ -284,6 +307,9 @@ def _check_chains(listed: set[int], manifests: dict[int, Manifest], problems: _F
             continue
         p = m.parent.version
         parent = manifests.get(p)
+        if parent is None and v in copies and p not in listed:  # deleted by retention
+            reach[v] = True
+            continue
         if parent is None:
             link = m.kind == "anchor"  # an anchor does not need its parent
             if not link and p not in listed:
@@ -292,7 +318,7 @@ def _check_chains(listed: set[int], manifests: dict[int, Manifest], problems: _F
                 problems.add(CHAIN, v, manifest_key(v), f"its parent version {p} is damaged")
         else:
             link = _check_link(m, parent, problems)
-        if m.kind == "anchor":
+        if m.kind == "anchor" or v in copies:
             reach[v] = True
         elif not link:
             reach[v], breaks[v] = False, v

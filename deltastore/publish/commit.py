@@ -53,7 +53,8 @@ def head_version(store: Store) -> int | None:
 def chain_costs(reader: ChainReader, version: int) -> AnchorCosts:
     """The anchor account of the chain that ends at ``version``: its manifests read back to
     the newest anchor version or anchor copy on it (``anchor`` None when the walk cannot get
-    there: a version is missing or damaged)."""
+    there: a version is missing or damaged). Other store errors are raised (before any
+    upload of the publish that asks)."""
     copies = set(reader.anchor_versions())
     deltas: list[int] = []
     costs = AnchorCosts()
@@ -71,7 +72,7 @@ def chain_costs(reader: ChainReader, version: int) -> AnchorCosts:
                 break
             deltas.append(m.payload_bytes)
             v = m.parent.version if m.parent is not None else None
-    except DeltastoreError as exc:
+    except (ObjectNotFoundError, ManifestError, ChainError) as exc:  # store errors propagate
         log.info("the chain below version %d has no anchor that can be read (%s)", version, exc)
         return AnchorCosts(last_delta=deltas[0] if deltas else 0)
     costs.delta_bytes, costs.deltas = sum(deltas), len(deltas)
