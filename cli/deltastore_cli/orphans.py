@@ -22,6 +22,9 @@ def print_retention(r: RetentionReport, dry_run: bool) -> None:
     """What ``--keep`` deleted (or would), the leases it honoured, what it kept."""
     verb = "would delete" if dry_run else "deleted"
     for d in r.deleted:
+        if d.kind == "anchor copy":  # of a kept version no reader starts from
+            typer.echo(f"{verb} the anchor copy of v{d.version} ({human_bytes(d.bytes)})")
+            continue
         copy = " + anchor copy" if d.copy else ""
         typer.echo(f"{verb} v{d.version} ({d.kind}{copy}, {human_bytes(d.bytes)})")
     for lease in r.leases:
@@ -30,7 +33,7 @@ def print_retention(r: RetentionReport, dry_run: bool) -> None:
     for key in r.expired_removed:
         typer.echo(f"{'would remove' if dry_run else 'removed'} expired lease {key}")
     kept = f"v{r.kept[0]}-v{r.kept[-1]}" if r.kept else "nothing"
-    n = len(r.deleted)
+    n = sum(d.kind != "anchor copy" for d in r.deleted)
     typer.echo(
         f"{verb} {n} version{'' if n == 1 else 's'} ({human_bytes(r.deleted_bytes)}); kept "
         f"{len(r.kept)} ({kept}, {human_bytes(r.kept_bytes)}"

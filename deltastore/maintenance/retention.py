@@ -146,19 +146,29 @@ def retain(
         return manifests[v]
 
     kept = {v for v in versions if v >= floor}
+    needed: set[int] = set()  # the anchor copies kept: where a chain end's walk stops
     try:
-        for v in sorted(kept, reverse=True):
-            _walk(v, manifest, usable, listed, kept)
+        # where fresh readers of the newest versions start: the newest copy at or below each
+        stops = [_walk(top[0], manifest, usable, listed, kept, through=True)]
+        for v in sorted(kept, reverse=True):  # and every chain end's anchor
+            m = manifest(v)
+            if m.kind == "delta" and m.parent is not None and m.parent.version not in kept:
+                stops.append(_walk(v, manifest, usable, listed, kept))
+        needed.update(v for v in stops if v is not None)
     except DeltastoreError as exc:
         raise ManifestError(
             f"{exc}; retention deletes nothing while a kept version's chain cannot be read: "
             "run `deltastore verify` and repair or inspect it first"
         ) from exc
+    needed |= {v for v in usable if v >= top[0]}  # where fresh readers of the newest start
     oldest = min(kept)
     if oldest < floor:
         because = f"anchor of version {floor} ({because})"
     doomed = [v for v in versions if v not in kept]
-    deleted = _delete_plan(store, reader, doomed, copies, [*manifests.values(), *usable.values()])
+    # copies no reader starts from: of kept versions (a lease's range) and of no version
+    dropped = sorted(v for v in copies if (v in kept and v not in needed) or v not in listed)
+    keep_manifests = [*(manifests[v] for v in kept), *(usable[v] for v in needed)]
+    deleted = _delete_plan(store, reader, doomed, dropped, copies, keep_manifests)
     if not dry_run:
         for d in deleted:
             for key in d.keys:
@@ -169,8 +179,8 @@ def retain(
         for key in expired:
             with contextlib.suppress(ObjectNotFoundError):
                 store.delete(key)
-    kept_bytes = sum(manifests[v].payload_bytes for v in kept if v in manifests)
-    kept_bytes += sum(c.payload_bytes for v, c in usable.items() if v in kept)
+    kept_bytes = sum(manifests[v].payload_bytes for v in kept)
+    kept_bytes += sum(usable[v].payload_bytes for v in needed)
     return RetentionReport(
         keep, tuple(sorted(kept)), kept_bytes, because, tuple(deleted), tuple(leases), expired
     )
@@ -182,17 +192,22 @@ def _walk(
     usable: dict[int, Manifest],
     listed: set[int],
     kept: set[int],
-) -> None:
-    """Add to ``kept`` the versions on ``v``'s chain down to its newest anchor, or to where
-    the chain breaks already (a missing parent: nothing below can help). A parent already in
-    ``kept`` is (or will be) walked on its own, so the walk stops there."""
+    *,
+    through: bool = False,
+) -> int | None:
+    """Add to ``kept`` the versions on ``v``'s chain down to its newest anchor; return the
+    version of that anchor when it is a delta's anchor copy (None: an anchor version, or the
+    chain breaks already: a missing parent, and nothing below can help). A parent already in
+    ``kept`` is (or will be) walked on its own, so the walk stops there, unless ``through``."""
     while True:
         m = read(v)
-        if m.kind == "anchor" or v in usable or m.parent is None:
-            return
+        if v in usable:
+            return v
+        if m.kind == "anchor" or m.parent is None:
+            return None
         v = m.parent.version
-        if v in kept or v not in listed:
-            return
+        if v not in listed or (v in kept and not through):
+            return None
         kept.add(v)
 
 
@@ -200,12 +215,15 @@ def _delete_plan(
     store: Store,
     reader: ChainReader,
     doomed: list[int],
+    dropped: list[int],
     copies: set[int],
     kept_manifests: Iterable[Manifest],
 ) -> list[DeletedVersion]:
-    """Per version to delete, oldest first: its keys in the safe order (manifest, anchor
-    copy, then its data objects that no kept manifest or copy references)."""
-    if not doomed:
+    """The keys to delete in the safe order: per doomed version, oldest first, its manifest,
+    its anchor copy, then its data objects; then per dropped anchor copy (of a kept version
+    no reader starts from, or of a version that is not committed) the copy, then its data
+    objects. Never an object that a kept manifest or copy references."""
+    if not doomed and not dropped:
         return []
     referenced = {f.object for m in kept_manifests for e in m.tensors.values() for f in e.frames}
     by_version: dict[int, list[str]] = {}
@@ -224,6 +242,19 @@ def _delete_plan(
                 size += reader.anchor_copy(v).payload_bytes
         keys = [manifest_key(v)] + ([anchor_key(v)] if copy else []) + by_version.get(v, [])
         out.append(DeletedVersion(v, kind, copy, size, tuple(keys)))
+    doomed_set = set(doomed)
+    for v in dropped:
+        if v in doomed_set:
+            continue
+        objects: list[str] = []
+        size = 0
+        try:
+            c = reader.anchor_copy(v)
+            size = c.payload_bytes
+            objects = sorted({f.object for e in c.tensors.values() for f in e.frames} - referenced)
+        except DeltastoreError:  # damaged: its objects are unknown, they stay (orphans)
+            pass
+        out.append(DeletedVersion(v, "anchor copy", True, size, (anchor_key(v), *objects)))
     return out
 
 

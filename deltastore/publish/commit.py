@@ -50,6 +50,11 @@ def head_version(store: Store) -> int | None:
     return ChainReader(store).newest()
 
 
+def stored_bytes(m: Manifest) -> int:
+    """What a reader fetches for ``m``: its frames and its manifest (as serialized here)."""
+    return m.payload_bytes + len(m.to_bytes())
+
+
 def chain_costs(reader: ChainReader, version: int) -> AnchorCosts:
     """The anchor account of the chain that ends at ``version``: its manifests read back to
     the newest anchor version or anchor copy on it (``anchor`` None when the walk cannot get
@@ -65,18 +70,20 @@ def chain_costs(reader: ChainReader, version: int) -> AnchorCosts:
             if m.kind == "delta" and v in copies:
                 copy = reader.anchor_copy(v)
                 if copy.state_digest == m.state_digest:
-                    costs.anchored(v, copy.payload_bytes)
+                    costs.anchored(v, stored_bytes(copy), last_delta=stored_bytes(m))
+                    if deltas:
+                        costs.last_delta = deltas[0]
                     break
             if m.kind == "anchor":
-                costs.anchored(v, m.payload_bytes)
+                costs.anchored(v, stored_bytes(m))
                 break
-            deltas.append(m.payload_bytes)
+            deltas.append(stored_bytes(m))
             v = m.parent.version if m.parent is not None else None
     except (ObjectNotFoundError, ManifestError, ChainError) as exc:  # store errors propagate
         log.info("the chain below version %d has no anchor that can be read (%s)", version, exc)
         return AnchorCosts(last_delta=deltas[0] if deltas else 0)
     costs.delta_bytes, costs.deltas = sum(deltas), len(deltas)
-    costs.last_delta = deltas[0] if deltas else 0
+    costs.last_delta = deltas[0] if deltas else costs.last_delta
     return costs
 
 
@@ -299,5 +306,6 @@ __all__ = [
     "conditional_writes",
     "confirm_commit",
     "head_version",
+    "stored_bytes",
     "write_anchor_copy",
 ]

@@ -5,7 +5,8 @@ v1 section 9.4) beside ``v``'s delta. Followers keep applying deltas; a fresh or
 replica starts from the newest copy at or below its target. The cost rule keeps the bytes a
 fresh replica fetches (newest anchor + every delta since) under about ``(1 + k)`` anchors: a
 copy is written when the deltas since the newest anchor, this version's included, exceed ``k``
-times the anchor's size (the last anchor's stored bytes stand for the new one's).
+times the anchor's size (the last anchor's stored bytes stand for the new one's). Sizes are
+what a reader fetches: a version's frames and its manifest.
 
 Pure: no I/O, no torch; :class:`AnchorPolicy` is frozen and thread-safe, :class:`AnchorCosts`
 is the publisher's running account (one thread).
@@ -93,10 +94,13 @@ class AnchorCosts:
             )
         return None
 
-    def anchored(self, version: int, anchor_bytes: int) -> None:
-        """``version`` is now the newest anchor, of ``anchor_bytes`` stored bytes."""
+    def anchored(self, version: int, anchor_bytes: int, *, last_delta: int | None = None) -> None:
+        """``version`` is now the newest anchor, of ``anchor_bytes`` stored bytes;
+        ``last_delta``: the stored bytes of its delta, when it is an anchor copy's version."""
         self.anchor, self.anchor_bytes = version, anchor_bytes
         self.delta_bytes = self.deltas = 0
+        if last_delta is not None:
+            self.last_delta = last_delta
 
     def delta(self, delta_bytes: int) -> None:
         """A delta of ``delta_bytes`` stored bytes was published (no anchor copy)."""

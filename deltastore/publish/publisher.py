@@ -56,6 +56,7 @@ from deltastore.publish.commit import (
     conditional_writes,
     confirm_commit,
     head_version,
+    stored_bytes,
     write_anchor_copy,
 )
 from deltastore.publish.encode import FrameEncoders, FrameJob
@@ -603,10 +604,12 @@ class Publisher(ChainWriter):
             confirm_commit(self.store, version, body)
         pending.upload_s += time.perf_counter() - t0
         self._adopt(manifest, host, pending, incremental=parent is not None)
-        if kind == "anchor" or copy is not None:
-            self._costs.anchored(version, (copy or manifest).payload_bytes)
+        if kind == "anchor":  # stored bytes: frames and manifest
+            self._costs.anchored(version, stored_bytes(manifest))
+        elif copy is not None:
+            self._costs.anchored(version, stored_bytes(copy), last_delta=stored_bytes(manifest))
         else:
-            self._costs.delta(manifest.payload_bytes)
+            self._costs.delta(stored_bytes(manifest))
         report = self._report(
             version,
             kind,
