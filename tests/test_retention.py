@@ -34,19 +34,9 @@ from deltastore.store import Store
 from deltastore.testing.faults import FaultyStore, InjectedFault
 from deltastore.testing.synthetic import AdamWTrajectory, ModelConfig
 from deltastore_cli import app
+from tests.test_soak import SPEC  # ~200K elements over 20 tensors (GQA)
 
 Tensors = Mapping[str, torch.Tensor]
-#: ~200K elements over 20 tensors (GQA): 300 versions in a few seconds.
-SPEC = ModelConfig(
-    vocab=1000,
-    hidden=64,
-    layers=2,
-    intermediate=128,
-    heads=4,
-    kv_heads=2,
-    head_dim=16,
-    qkv_bias=True,
-)
 #: ~30K elements: for the fault matrix, which copies the store once per fault point.
 MINI = ModelConfig(
     vocab=256, hidden=32, layers=1, intermediate=64, heads=2, kv_heads=1, head_dim=16
@@ -347,7 +337,7 @@ def test_lease_model_round_trip_and_expiry() -> None:
         b'{"format_version":1}',
         lease.to_bytes().replace(b"2026-12-01", b"2026-02-30"),
     ):
-        with pytest.raises(ValueError, match="malformed|JSON"):
+        with pytest.raises(ValueError, match=r"malformed|JSON"):
             parse_lease(bad)
     for bad_id in ("", ".hidden", "a/b", "x" * 251):
         with pytest.raises(ValueError, match="reader id"):
