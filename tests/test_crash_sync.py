@@ -275,7 +275,7 @@ def install(point: str, n: int) -> None:
 
 def child(case: dict[str, Any]) -> None:
     install(case["point"], case["n"])
-    FolderSync(case["store"], case["dest"]).pull(case["target"])
+    FolderSync(case["store"], case["dest"], **case.get("options", {})).pull(case["target"])
 
 
 def serve() -> None:
@@ -300,8 +300,9 @@ def serve() -> None:
 @contextlib.contextmanager
 def kill_server() -> Iterator[Callable[..., int]]:
     """The helper process (:func:`serve`) that forks one child per killed pull; yields
-    ``run(store, dest, target, point, n=1)`` -> the child's exit status (-9: killed; 0: the
-    pull finished first). Also used by tests/test_soak.py."""
+    ``run(store, dest, target, point, n=1, **options)`` -> the child's exit status (-9:
+    killed; 0: the pull finished first); ``options`` (JSON values) go to the child's
+    ``FolderSync`` (tests/test_soak.py passes its folder's ``reader_id`` and ``lease_ttl``)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("DELTASTORE_SIGNING_KEY", None)
     proc = subprocess.Popen(
@@ -315,8 +316,9 @@ def kill_server() -> Iterator[Callable[..., int]]:
     assert proc.stdin is not None and proc.stdout is not None
     stdin, stdout = proc.stdin, proc.stdout
 
-    def run(store: Path, dest: Path, target: int, point: str, n: int = 1) -> int:
+    def run(store: Path, dest: Path, target: int, point: str, n: int = 1, **options: Any) -> int:
         case = {"store": str(store), "dest": str(dest), "target": target, "point": point, "n": n}
+        case["options"] = options
         stdin.write(json.dumps(case) + "\n")
         stdin.flush()
         answer = stdout.readline()

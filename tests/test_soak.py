@@ -1,18 +1,35 @@
-"""Soak (issue 7, item 7): one publisher and four followers under random faults for many
-versions, checked bit-exact against the trainer.
+"""Soak (issues 7 and 14): one publisher and five followers under random faults for many
+versions, with retention and reader leases, checked bit-exact against the trainer.
 
 A trainer (AdamW steps of a small GQA model) publishes ``DELTASTORE_SOAK_VERSIONS`` versions
-(default 120; an anchor every 12) through a :class:`FaultyStore` that fails one random
+(default 120; version 1 an anchor, then deltas with an anchor copy every 12 versions,
+``anchor_policy="every:12"``) through a :class:`FaultyStore` that fails one random
 operation of ~8% of the publishes, raised or with its response lost: the version must be
 committed exactly when ``publish`` returns; a failed publish is retried by the same publisher
-or by a restarted one (``attach``). Followers, each on its own :class:`FaultyStore`:
+or by a restarted one (``attach``). Followers, each on its own :class:`FaultyStore` and each
+keeping a lease ``leases/<name>.json`` (an hour long, but for ``lapse``):
 
 - ``plain``: a :class:`Subscriber` holding the whole tensors;
 - ``tp2``: a :class:`Subscriber` with the layout of both ranks of a vLLM TP-2 engine in one
   process (``tests.test_presets.engine_layout``: fused qkv and gate_up, padded vocabulary);
 - ``folder``: a :class:`FolderSync` checkpoint folder;
 - ``tp4``: a TP-4 engine (each kv head held by two ranks) that joins at version 35, from the
-  newest anchor.
+  newest anchor copy, and sleeps (does not sync, keeps its lease) from version 40 to 70: it
+  must then catch up by deltas only (all it needs was kept for its lease);
+- ``lapse``: a :class:`Subscriber` with a 0.25 s lease that joins at version 72 and sleeps
+  to version 102: its lease expires, gc removes it and deletes the versions after the one it
+  holds; it must recover from an anchor (its first version applied is an anchor).
+
+Retention: every 20 versions (before the followers sync) ``gc(keep=8, lease_grace_s=0)`` runs
+on the store itself. Checked against the trainer's record of the chain (anchors, copies,
+parents) and a listing before and after: it keeps exactly the newest 8 versions, every
+version from the oldest live lease's up, and each kept version's chain down to its newest
+anchor (version or copy); it deletes every other version whole (manifest first, then its
+anchor copy, then every object of its folder, a failed publish's leftovers included), and
+nothing else but anchor copies of kept versions, while every version left still reaches an
+anchor and every object a kept manifest or copy names exists; every live lease is a
+follower's (an hour-long one is live), and no follower with a live lease is ever stranded:
+every version from its lease's up to the newest is kept, and it holds at least that version.
 
 Faults, drawn from a seed (printed; ``DELTASTORE_SOAK_SEED`` overrides):
 
@@ -26,9 +43,10 @@ Faults, drawn from a seed (printed; ``DELTASTORE_SOAK_SEED`` overrides):
   wrapped and, in ~8% of the syncs of a follower that is behind, the n-th scatter writes half its
   words and raises: the version must be rolled back;
 - killed pulls: at a few versions the folder's pull runs in a child forked by the helper of
-  ``tests/test_crash_sync.py``, which SIGKILLs itself halfway through the n-th scatter of the
-  write phase, or after the writes and before the sidecar is replaced; a new ``FolderSync``
-  (the restarted receiver) must repair the folder on its next pull;
+  ``tests/test_crash_sync.py`` (with the folder's reader id: the same receiver), which
+  SIGKILLs itself halfway through the n-th scatter of the write phase, or after the writes and
+  before the sidecar is replaced; a new ``FolderSync`` (the restarted receiver) must repair
+  the folder on its next pull;
 - corrupted objects: a byte of a delta's data object is flipped right after its publish;
   followers get ``IntegrityError`` and stay put; the trainer republishes the same weights as
   an anchor and everybody catches up.
@@ -39,10 +57,13 @@ follower reports; at ``resume`` that one or a newer one), by an XXH3-128 digest 
 bits against each version's expected tensors (for the layouts, the re-sharding by plain torch
 ops of ``tests.test_presets.engine_reference``); every error is of an injected kind; every 10
 versions and at the end, each follower (caught up) equals the trainer's bf16 tensors element
-for element; at the end ``gc`` removes exactly the failed publishes' leftover objects and
-``verify_store(deep=True)`` finds nothing but the corrupted objects. Counts are printed
-(``pytest -s``). A sync that raises although its follower reached the target (consistent
-there: a manifest re-read after the last write failed) is counted and printed, not failed.
+for element; at the end the committed versions are exactly those retention kept, ``gc``
+removes exactly the leftover objects of the faulted publishes that retention did not delete
+with their version and that no kept manifest or anchor copy names, and
+``verify_store(deep=True)`` finds nothing but the corrupted objects of the versions still
+kept. Counts are printed (``pytest -s``). A sync that raises although its follower reached
+the target (consistent there: a manifest re-read after the last write failed) is counted and
+printed, not failed.
 """
 
 from __future__ import annotations
@@ -55,6 +76,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -67,9 +90,14 @@ from deltastore import IntegrityError, LocalStore, Publisher, Subscriber
 from deltastore.checkpoint.folders import PENDING, FolderSync, read_state
 from deltastore.checkpoint.safetensors import MappedCheckpoint, locate
 from deltastore.errors import DeltastoreError
+from deltastore.format.keys import LEASE_PREFIX, anchor_key, lease_key
+from deltastore.format.lease import Lease, parse_lease, parse_time
 from deltastore.format.manifest import DATA_PREFIX, Manifest, manifest_key
 from deltastore.maintenance.orphans import find_orphans, gc
+from deltastore.maintenance.retention import RetentionReport
 from deltastore.maintenance.verify import verify_store
+from deltastore.sync.chain import ChainReader
+from deltastore.sync.subscriber import SyncReport
 from deltastore.testing.faults import FaultyStore, InjectedFault, Op
 from deltastore.testing.synthetic import AdamWTrajectory, ModelConfig
 from tests.test_crash_sync import kill_server
@@ -89,8 +117,13 @@ SPEC = ModelConfig(
     head_dim=16,
     qkv_bias=True,
 )
-ANCHOR_EVERY = 12
+ANCHOR_EVERY = 12  # an anchor copy every 12 versions (anchor_policy "every:12")
 SAMPLE_EVERY = 10
+GC_EVERY = 20  # gc(keep=KEEP) before the followers sync each 20th version
+KEEP = 8
+LEASE_TTL = 3600.0  # the followers' leases outlive the run
+LAPSE_TTL = 0.25  # lapse's lease: it expires while lapse sleeps
+SLEEP = 30  # versions tp4 and lapse sleep
 READ_FAULT_RATE = 0.03  # per store operation of a follower
 WRITE_FAULT_RATE = 0.08  # per sync of a follower that holds a version and is behind
 PUBLISH_FAULT_RATE = 0.08  # per publish
@@ -213,16 +246,25 @@ class ReadFaults:
 
 class Follower:
     """One receiver: ``sync()`` one attempt; ``reports()`` the version it claims to hold
-    (None: none, or a killed pull is pending); ``tensors()`` what it holds now."""
+    (None: none, or a killed pull is pending); ``tensors()`` what it holds now. Its lease is
+    ``leases/<name>.json``, ``lease_ttl`` seconds long; ``applied`` lists the (version, kind)
+    of every version it applied, in order."""
 
     kind = "hf"
 
-    def __init__(self, name: str, store: Path, counts: Counter[str]) -> None:
-        self.name = name
+    def __init__(
+        self, name: str, store: Path, counts: Counter[str], lease_ttl: float = LEASE_TTL
+    ) -> None:
+        self.name, self.lease_ttl = name, lease_ttl
         self.faults = ReadFaults(name, counts)
         self.store = FaultyStore(LocalStore(store), hook=self.faults)
+        self.applied: list[tuple[int, str]] = []
+        self.last: SyncReport | None = None  # the report of the last attempt (None: it failed)
 
-    def sync(self) -> None:
+    def on_version(self, m: Manifest) -> None:
+        self.applied.append((m.version, m.kind))
+
+    def sync(self) -> SyncReport:
         raise NotImplementedError
 
     def reports(self) -> int | None:
@@ -244,8 +286,9 @@ class Memory(Follower):
         versions: Versions,
         partial: list[str],
         kind: str = "hf",
+        lease_ttl: float = LEASE_TTL,
     ) -> None:
-        super().__init__(name, store, counts)
+        super().__init__(name, store, counts, lease_ttl)
         self.kind, self.versions, self.partial = kind, versions, partial
         self.counts = counts
         ranks = LAYOUTS[kind]
@@ -254,6 +297,8 @@ class Memory(Follower):
             layout=None if ranks is None else engine_layout(SPEC, ranks),
             pause=self._pause,
             resume=self._resume,
+            reader_id=name,
+            lease_ttl=lease_ttl,
         )
         self._before: int | None = None
 
@@ -271,8 +316,8 @@ class Memory(Follower):
             if not any(v >= self._before for v in at):
                 self.partial.append(f"{self.name}: at no version >= v{self._before} at resume()")
 
-    def sync(self) -> None:
-        self.sub.sync()
+    def sync(self) -> SyncReport:
+        return self.sub.sync(on_version=self.on_version)
 
     def reports(self) -> int | None:
         return self.sub.version
@@ -290,11 +335,16 @@ class Folder(Follower):
         self.reopen()
 
     def reopen(self) -> None:
-        """A new FolderSync on the folder: the receiver restarted."""
-        self.folder = FolderSync(self.store, self.dest)  # type: ignore[arg-type]
+        """A new FolderSync on the folder: the receiver restarted (with the same reader id)."""
+        self.folder = FolderSync(
+            self.store,  # type: ignore[arg-type]
+            self.dest,
+            reader_id=self.name,
+            lease_ttl=self.lease_ttl,
+        )
 
-    def sync(self) -> None:
-        self.folder.pull()
+    def sync(self) -> SyncReport:
+        return self.folder.pull()
 
     def pending(self) -> bool:
         return (self.dest / PENDING).exists()
@@ -322,6 +372,19 @@ def killer() -> Iterator[Callable[..., int]]:
 
 # --- the soak -------------------------------------------------------------------------------
 
+POLICY = f"every:{ANCHOR_EVERY}"
+
+
+@dataclass
+class Nap:
+    """A sleeping follower: the version it holds, when it wakes, and its ``applied`` length."""
+
+    held: int
+    until: int
+    mark: int
+    #: the gc versions at which versions were kept only for its lease
+    protected: list[int]
+
 
 class Soak:
     """The trainer, the followers, the fault schedule and the counts of one run."""
@@ -336,11 +399,22 @@ class Soak:
         self.mismatches: list[str] = []
         self.versions = Versions()
         self.corrupted: dict[int, str] = {}  # version -> object key
-        self.failed_puts: set[str] = set()
+        self.leftovers: set[str] = set()  # data objects written by the faulted publishes
         self.streak: Counter[str] = Counter()  # failed attempts since the last success
         self.traj = AdamWTrajectory(SPEC, lr=1e-6, seed=SEED)
         self.pstore = FaultyStore(LocalStore(self.path))
-        self.pub = Publisher(self.pstore)
+        self.pub = Publisher(self.pstore, anchor_policy=POLICY)
+        # the chain as the trainer knows it: committed versions retention has not deleted,
+        # anchor versions, versions whose anchor copy is in the store
+        self.present: set[int] = set()
+        self.anchors: set[int] = set()
+        self.copies: set[int] = set()
+        self.retired: set[str] = set()  # keys retention deleted
+        self.retention: list[str] = []  # what retention did wrong
+        self.leases_seen: set[str] = set()
+        self.expired: list[str] = []  # expired leases gc removed
+        self.asleep: dict[str, Nap] = {}
+        self.woke: list[str] = []  # how each sleeper caught up
         self.committed: Tensors = {}  # the trainer's tensors at the newest committed version
         self.clean_ops = 0
         self.probe = Subscriber(LocalStore(self.path), signing_key=None)
@@ -351,6 +425,8 @@ class Soak:
         ]
         self.kill_pending: set[str] = set()
         self.join = 0
+        self.naps = False
+        self.kept_corrupt: set[int] = set()
 
     # --- trainer ---------------------------------------------------------------------------
 
@@ -371,15 +447,20 @@ class Soak:
             report = self.pub.publish(full, version=version, anchor=anchor or None)
         except DeltastoreError as exc:
             error = exc
+        if fault:  # what a faulted publish wrote may be left over (a copy that failed, too)
+            self.leftovers |= {
+                o.key
+                for o in self.pstore.ops
+                if o.name == "put" and o.done and o.key.startswith(DATA_PREFIX)
+            }
         if error is not None:  # a publish that raises committed nothing: retry it
             op = self.pstore.fault
             assert fault and op is not None, error
             assert not self.pstore.inner.exists(manifest_key(version)), (op, error)
             self.counts["publishes failed and retried"] += 1
-            self.failed_puts |= {o.key for o in self.pstore.ops if o.name == "put" and o.done}
             self.pstore.reset()
             if self.rng.random() < 0.5:  # the trainer restarts: a new publisher attaches
-                self.pub = Publisher(self.pstore)
+                self.pub = Publisher(self.pstore, anchor_policy=POLICY)
                 assert self.pub.attach(self.committed) == version - 1
                 self.counts["publishers restarted (attach)"] += 1
             report = self.pub.publish(full, version=version, anchor=anchor or None)
@@ -388,7 +469,14 @@ class Soak:
         else:
             self.clean_ops = len(self.pstore.ops)
         assert report.kind == kind and report.version == version
+        assert kind == "anchor" or report.parent == version - 1
         assert self.pstore.inner.exists(manifest_key(version))
+        self.present.add(version)
+        if kind == "anchor":
+            self.anchors.add(version)
+        if report.anchor_copy_bytes is not None:
+            self.copies.add(version)
+            self.counts["anchor copies written"] += 1
         self.versions.add(version, full)
         self.committed = full
 
@@ -425,7 +513,7 @@ class Soak:
         self.counts["sync attempts"] += 1
         outcome = "ok"
         try:
-            f.sync()
+            f.last = f.sync()
         except InjectedFault:
             outcome = "read"
             self.counts["syncs failed: read fault"] += 1
@@ -446,6 +534,8 @@ class Soak:
             if self.flaky.left:
                 self.flaky.left = 0
                 self.counts["write failures armed, not reached"] += 1
+        if outcome != "ok":
+            f.last = None
         self.check_consistent(f, "after a sync")
         after = f.reports()
         if outcome != "ok" and after == target != before:
@@ -475,7 +565,9 @@ class Soak:
             first = self.probe.manifest(first.parent.version)
         point = self.rng.choice(("write", "write", "record", "rename"))
         n = self.rng.randint(1, max(1, scatters(first))) if point == "write" else 1
-        code = self.killer(self.path, f.dest, target, point, n)
+        code = self.killer(
+            self.path, f.dest, target, point, n, reader_id=f.name, lease_ttl=f.lease_ttl
+        )
         if code == KILLED and f.pending():
             self.counts[f"pulls killed: {point}"] += 1
             self.kill_pending.add(f.name)
@@ -488,6 +580,8 @@ class Soak:
 
     def catch_up(self) -> None:
         for f in self.followers:
+            if f.name in self.asleep:
+                continue
             for _ in range(CATCH_UP_TRIES):
                 if f.reports() == self.versions.latest:
                     break
@@ -498,19 +592,218 @@ class Soak:
     def compare(self, full: Tensors) -> None:
         """Every follower (caught up) against the trainer's bf16 tensors."""
         for f in self.followers:
+            if f.name in self.asleep:
+                continue
             bad = mismatched(f.tensors() or {}, expected(full, f.kind))
             self.counts["bit-exact checks"] += 1
             self.counts["elements differing"] += bad
             if bad:
                 self.mismatches.append(f"{f.name} at v{f.reports()}: {bad} elements differ")
 
+    # --- sleepers -------------------------------------------------------------------------
+
+    def lease(self, name: str) -> Lease | None:
+        """The lease of ``name`` in the store (None: there is none)."""
+        store = LocalStore(self.path)
+        key = lease_key(name)
+        return parse_lease(store.get(key), key=key) if store.exists(key) else None
+
+    def doze(self, f: Follower, until: int) -> None:
+        """Bring ``f`` to the newest version with its lease written there, then let it sleep
+        (not sync) until version ``until``."""
+        for _ in range(CATCH_UP_TRIES):
+            lease = self.lease(f.name)
+            if f.reports() == self.versions.latest and lease and lease.version == f.reports():
+                break
+            self.attempt(f)  # a sync at the target rewrites a lease whose last write failed
+        held = f.reports()
+        lease = self.lease(f.name)
+        if held != self.versions.latest or lease is None or lease.version != held:
+            self.unexpected.append(f"{f.name}: not at v{self.versions.latest} with its lease")
+            return
+        self.asleep[f.name] = Nap(held, until, len(f.applied), [])
+
+    def wake(self, f: Follower) -> None:
+        """Catch ``f`` up after its sleep: by deltas only when its lease was live all along
+        (every version it needs was kept); from an anchor when its versions were deleted."""
+        nap = self.asleep.pop(f.name)
+        store = LocalStore(self.path)
+        stranded = not store.exists(manifest_key(nap.held + 1))
+        reports = []
+        for _ in range(CATCH_UP_TRIES):
+            if f.reports() == self.versions.latest:
+                break
+            if self.attempt(f) == "ok" and f.last is not None:
+                reports.append(f.last)
+        steps = f.applied[nap.mark :]
+        at = f"{f.name} (asleep at v{nap.held}, woke at v{self.versions.latest})"
+        if f.reports() != self.versions.latest or not steps:
+            self.unexpected.append(f"{at}: did not catch up")
+            return
+        paths = sorted({r.path for r in reports if r.applied})
+        if f.lease_ttl == LEASE_TTL:  # leased all along: nothing it needed was deleted
+            if stranded:
+                self.unexpected.append(f"{at}: v{nap.held + 1} was deleted under its lease")
+            if not nap.protected:
+                self.unexpected.append(f"{at}: no gc kept a version only for its lease")
+            want = [(v, "delta") for v in range(nap.held + 1, self.versions.latest + 1)]
+            if steps != want or paths != ["deltas"]:
+                self.unexpected.append(f"{at}: caught up by {steps} (paths {paths}), not deltas")
+            how = f"by {len(steps)} deltas"
+        else:  # its lease expired: gc deleted the versions after the one it held
+            if not stranded:
+                self.unexpected.append(f"{at}: v{nap.held + 1} was not deleted (gc too rare?)")
+            first = [r.path for r in reports if r.from_version == nap.held]
+            if steps[0][1] != "anchor" or first[:1] not in ([], ["anchor"]):
+                self.unexpected.append(f"{at}: recovered by {steps} (paths {paths}), no anchor")
+            how = f"its v{nap.held + 1} deleted, recovered from anchor v{steps[0][0]}"
+        self.woke.append(f"{f.name} slept v{nap.held}-v{self.versions.latest}, {how}")
+
+    # --- retention -------------------------------------------------------------------------
+
+    def needed(self, present: set[int], copies: set[int], floor: int) -> set[int]:
+        """What retention must keep: every version from ``floor`` up, and for each, its chain
+        down to its newest anchor (an anchor version or a version with an anchor copy)."""
+        kept = {v for v in present if v >= floor}
+        for v in sorted(kept, reverse=True):
+            while v not in self.anchors and v not in copies:
+                v -= 1  # a delta's parent is the version before (checked at publish)
+                if v not in present or v in kept:
+                    break
+                kept.add(v)
+        return kept
+
+    def flag(self, message: str) -> None:
+        self.retention.append(message)
+
+    def collect(self, v: int) -> None:
+        """``gc(keep=KEEP)`` on the store itself, while the followers hold leases; check what
+        it kept and deleted against the trainer's record and a listing before and after."""
+        store = LocalStore(self.path)
+        for f in self.followers:  # a sleeping short lease must have run out: wait the rest
+            lease = self.lease(f.name)
+            if f.name in self.asleep and f.lease_ttl < LEASE_TTL and lease is not None:
+                left = (parse_time(lease.expires) - datetime.now(timezone.utc)).total_seconds()
+                time.sleep(max(0.0, left) + 0.01)
+        leases = {}
+        for key in store.list(LEASE_PREFIX):
+            lease = parse_lease(store.get(key), key=key)
+            leases[lease.reader] = lease
+        chain = ChainReader(store, cache=0)
+        before, copies = set(chain.versions()), set(chain.anchor_versions())
+        if before != self.present or copies != self.copies:
+            self.flag(
+                f"v{v}: before gc the store holds versions {sorted(before ^ self.present)} and "
+                f"copies {sorted(copies ^ self.copies)} that the trainer does not, or lacks them"
+            )
+        folders: dict[int, set[str]] = {}
+        for key in store.list(DATA_PREFIX):
+            folders.setdefault(int(key[len(DATA_PREFIX) :].split("/")[0]), set()).add(key)
+        r = gc(store, keep=KEEP, lease_grace_s=0.0).retention
+        assert isinstance(r, RetentionReport)
+        self.counts["gc runs"] += 1
+        got = {x.reader: x for x in r.leases}
+        names = {f.name: f for f in self.followers}
+        if set(got) != set(leases) or any(x.version != leases[n].version for n, x in got.items()):
+            self.flag(f"v{v}: gc saw the leases {r.leases}, the store holds {leases}")
+        for name, x in got.items():
+            self.leases_seen.add(name)
+            f = names.get(name)
+            if f is None or x.problem is not None:
+                self.flag(f"v{v}: lease {x} of no follower, or with a problem")
+            elif f.lease_ttl == LEASE_TTL and not x.live:
+                self.flag(f"v{v}: the hour-long lease of {name} is not live")
+            elif f.lease_ttl < LEASE_TTL and name in self.asleep and x.live:
+                self.flag(f"v{v}: the short lease of {name} is live after it ran out")
+        live = {x.reader: x.version for x in r.leases if x.live and x.version is not None}
+        ordered = sorted(before)
+        top = ordered[-KEEP] if len(ordered) >= KEEP else ordered[0]
+        floor = min([top, *live.values()])
+        keep = self.needed(before, copies, floor)
+        for name, nap in self.asleep.items():  # versions only a sleeper's lease kept
+            if name in live:
+                others = [lv for n, lv in live.items() if n != name]
+                if nap.held not in self.needed(before, copies, min([top, *others])):
+                    nap.protected.append(v)
+        doomed = {d.version: d for d in r.deleted if manifest_key(d.version) in d.keys}
+        dropped = [d for d in r.deleted if d.version not in doomed]
+        if set(r.kept) != keep or set(doomed) != before - keep:
+            self.flag(
+                f"v{v}: gc kept {r.kept} and deleted {sorted(doomed)}, expected to keep "
+                f"{sorted(keep)} (floor {floor}, leases {live})"
+            )
+        for u, d in doomed.items():  # the whole version, manifest first
+            want = {manifest_key(u)} | ({anchor_key(u)} if u in copies else set())
+            if d.keys[:1] != (manifest_key(u),) or set(d.keys) != want | folders.get(u, set()):
+                self.flag(f"v{v}: deleting v{u} deletes {d.keys}, not its manifest, copy, folder")
+        for d in dropped:  # an anchor copy no reader starts from, of a kept version
+            objects = set(d.keys[1:])
+            m = self.probe.manifest(d.version)
+            own = {f.object for e in m.tensors.values() for f in e.frames}
+            if (
+                d.version not in keep
+                or d.version not in copies
+                or d.keys[:1] != (anchor_key(d.version),)
+                or not objects <= folders.get(d.version, set()) - own
+            ):
+                self.flag(f"v{v}: gc deleted {d.keys} of kept v{d.version}")
+        deleted = {k for d in r.deleted for k in d.keys}
+        self.retired |= deleted
+        self.counts["versions deleted by retention"] += len(doomed)
+        self.counts["anchor copies dropped by retention"] += len(dropped)
+        self.counts["leftovers deleted by retention"] += len(deleted & self.leftovers)
+        for key in r.expired_removed:
+            self.expired.append(key)
+            if store.exists(key):
+                self.flag(f"v{v}: the expired lease {key} is still there")
+        for name in self.asleep:
+            short = names[name].lease_ttl < LEASE_TTL
+            if short and name in leases and lease_key(name) not in r.expired_removed:
+                self.flag(f"v{v}: the expired lease of {name} was not removed")
+        # the store now: the versions kept, each reaching an anchor, every object they need
+        after, left = set(chain.versions()), set(chain.anchor_versions())
+        objects = set(store.list(DATA_PREFIX))
+        self.present, self.copies = after, left
+        if after != keep or left != copies - set(doomed) - {d.version for d in dropped}:
+            self.flag(f"v{v}: after gc the store holds {sorted(after)}, copies {sorted(left)}")
+        if any(store.exists(k) for k in deleted if not k.startswith(DATA_PREFIX)) or (
+            deleted & objects
+        ):
+            self.flag(f"v{v}: keys gc reported deleted are still there")
+        for u in sorted(after):
+            w = u
+            while w not in self.anchors and w not in left and w - 1 in after:
+                w -= 1
+            if w not in self.anchors and w not in left:
+                self.flag(f"v{v}: v{u} reaches no anchor (its chain ends at v{w})")
+            names_of = [self.probe.manifest(u)] + ([chain.anchor_copy(u)] if u in left else [])
+            missing = {f.object for m in names_of for e in m.tensors.values() for f in e.frames}
+            if missing - objects:
+                self.flag(f"v{v}: v{u} names missing objects {sorted(missing - objects)}")
+        newest = max(after)
+        for name, held in live.items():  # never strands a leased reader
+            at = names[name].reports() if name in names else None
+            if not set(range(held, newest + 1)) <= after or (at is not None and at < held):
+                self.flag(f"v{v}: {name} (lease v{held}, at v{at}) is stranded")
+
     # --- the run ---------------------------------------------------------------------------
 
     def run(self) -> None:
         n = VERSIONS
         join = self.join = min(35, max(3, n - 10))
-        middle = [v for v in range(4, n - 1) if v % ANCHOR_EVERY not in (0, 1) and v != join]
-        corrupt = set(self.rng.sample(middle, max(2, n // 30)))
+        # tp4 sleeps from nap to wake, lapse joins at lapse and sleeps to its wake (no anchor
+        # version on the way, so no corruption there); only in runs long enough for both
+        nap, wake = n // 3, n // 3 + SLEEP
+        lapse, lapse_wake = wake + 2, wake + 2 + SLEEP
+        self.naps = naps = join < nap and lapse_wake + 4 <= n
+        calm = range(nap - 1, lapse_wake + 2) if naps else range(0)
+        middle = [v for v in range(4, n - 1) if v != join and v not in calm]
+        # one corruption where no gc deletes it (the newest KEEP versions): verify finds it
+        tail = [v for v in middle if v > n - KEEP]
+        corrupt = set(self.rng.sample(tail, 1)) if tail else set()
+        rest = [v for v in middle if v not in corrupt]
+        corrupt |= set(self.rng.sample(rest, max(2, n // 30) - len(corrupt)))
+        self.kept_corrupt = corrupt & set(tail)
         free = [v for v in middle if v not in corrupt and v - 1 not in corrupt]
         kills = set(self.rng.sample(free, max(4, n // 15)))
         full = self.traj.bf16()
@@ -518,15 +811,26 @@ class Soak:
             republish = v - 1 in corrupt
             if not republish:
                 full = self.traj.step()
-            self.publish(v, full, anchor=republish or v % ANCHOR_EVERY == 1)
+            self.publish(v, full, anchor=republish)
             if republish:
                 self.counts["republished anchors"] += 1
             if v in corrupt:
                 self.corrupt(v)
+            if v % GC_EVERY == 0:
+                self.collect(v)
             if v == join:
                 late = Memory("tp4", self.path, self.counts, self.versions, self.partial, "tp4")
                 self.followers.append(late)
+            if naps and v == lapse:
+                short = Memory(
+                    "lapse", self.path, self.counts, self.versions, self.partial, "hf", LAPSE_TTL
+                )
+                self.followers.append(short)
             for f in self.followers:
+                if f.name in self.asleep:
+                    if v == self.asleep[f.name].until:
+                        self.wake(f)
+                    continue
                 if v in kills and isinstance(f, Folder) and f.killable():
                     self.kill(f)
                     continue
@@ -535,6 +839,8 @@ class Soak:
                     if v not in corrupt or outcome not in ("read", "write"):
                         break
                     outcome = self.attempt(f, write_faults=False)
+                if naps and (f.name, v) in (("tp4", nap), ("lapse", lapse)):
+                    self.doze(f, wake if v == nap else lapse_wake)
             if v % SAMPLE_EVERY == 0 and v not in corrupt:
                 self.catch_up()
                 self.compare(self.traj.bf16())
@@ -564,21 +870,23 @@ def test_soak(
     soak.run()
     c = soak.counts
 
-    # the store: nothing damaged but the corrupted objects; gc removes only failed uploads
-    orphans = {o.key for o in find_orphans(LocalStore(soak.path), min_age_s=0)}
-    referenced = {
-        f.object
-        for v in range(1, VERSIONS + 1)
-        for e in soak.probe.manifest(v).tensors.values()
-        for f in e.frames
-    }
-    removed = set(gc(LocalStore(soak.path), orphans=True, min_age_s=0).removed)
-    report = verify_store(LocalStore(soak.path), deep=True)
+    # the store: the versions retention kept, nothing damaged but their corrupted objects;
+    # gc removes only the faulted publishes' leftovers that retention did not delete
+    store = LocalStore(soak.path)
+    chain = ChainReader(store, cache=0)
+    orphans = {o.key for o in find_orphans(store, min_age_s=0)}
+    kept = sorted(soak.present)
+    copies = set(chain.anchor_versions())
+    named = [soak.probe.manifest(v) for v in kept] + [chain.anchor_copy(v) for v in copies]
+    referenced = {f.object for m in named for e in m.tensors.values() for f in e.frames}
+    removed = set(gc(store, orphans=True, min_age_s=0).removed)
+    report = verify_store(store, deep=True)
     stray = [
         p.line()
         for p in report.problems
         if p.version not in soak.corrupted or (p.key and p.key != soak.corrupted[p.version])
     ]
+    damaged = set(soak.corrupted) & soak.present  # corrupted versions retention kept
 
     def part(prefix: str) -> tuple[int, str]:
         """Sum and breakdown of the counts whose key starts with ``prefix``."""
@@ -591,7 +899,8 @@ def test_soak(
     _, writes_by = part("write failures: ")
     publish_faults, publish_modes = part("publish fault: ")
     lines = [
-        f"soak: {VERSIONS} versions (anchor every {ANCHOR_EVERY}, {c['republished anchors']} "
+        f"soak: {VERSIONS} versions (anchor copy every {ANCHOR_EVERY}: "
+        f"{c['anchor copies written']} written; {c['republished anchors']} "
         f"republished as anchors after a corruption), {len(soak.followers)} followers "
         f"({', '.join(f.name for f in soak.followers)}; tp4 from v{soak.join})",
         f"soak: faults injected: {reads} read faults in {c['follower store operations']} "
@@ -613,12 +922,19 @@ def test_soak(
         f"soak: bit mismatches {c['elements differing']} (elements, over all comparisons), "
         "partial versions seen "
         f"{len(soak.partial)}, unexpected errors {len(soak.unexpected)}",
+        f"soak: retention: {c['gc runs']} gc runs (keep {KEEP}, every {GC_EVERY} versions): "
+        f"{c['versions deleted by retention']} versions deleted (with "
+        f"{c['leftovers deleted by retention']} leftovers of faulted publishes), "
+        f"{c['anchor copies dropped by retention']} anchor copies of kept versions dropped, "
+        f"v{kept[0]}-v{kept[-1]} kept ({len(kept)}); leases of {len(soak.leases_seen)} readers "
+        f"seen ({', '.join(sorted(soak.leases_seen))}), {len(soak.expired)} expired removed; "
+        f"{'; '.join(soak.woke) or 'no sleepers (run too short)'}",
         f"soak: verify_store(deep=True) after gc ({len(removed)} orphans removed): "
         f"{report.summary()}",
         f"soak: {time.perf_counter() - t0:.1f} s",
     ]
     print("\n".join(lines))
-    problems = soak.mismatches + soak.partial + soak.unexpected + stray
+    problems = soak.mismatches + soak.partial + soak.unexpected + soak.retention + stray
     for problem in problems[:20]:
         print("soak: PROBLEM", problem)
     if len(problems) > 20:
@@ -626,15 +942,23 @@ def test_soak(
 
     assert not soak.mismatches
     assert not soak.partial
-    assert orphans == soak.failed_puts - referenced  # a retry reuses its own object names
+    assert not soak.retention
+    assert copies == soak.copies  # those the publisher wrote, less those retention deleted
+    # a retry reuses its own object names; retention deleted those of the versions it deleted
+    assert orphans == soak.leftovers - soak.retired - referenced
     assert all(k.startswith(DATA_PREFIX) for k in orphans)
     assert removed == orphans
-    assert report.versions == tuple(range(1, VERSIONS + 1))
+    assert report.versions == tuple(kept)
     assert report.orphans == 0
     assert not soak.unexpected
     assert not stray
     assert set(report.kinds) <= {"xxh3", "frame", "adler32"}
-    assert {p.version for p in report.problems} == set(soak.corrupted)
+    assert {p.version for p in report.problems} == damaged >= soak.kept_corrupt
+    assert c["gc runs"] == VERSIONS // GC_EVERY
+    assert (c["versions deleted by retention"] > 0 and kept[0] > 1) or VERSIONS < GC_EVERY
+    assert c["anchor copies written"] > 0 or VERSIONS <= ANCHOR_EVERY
+    if soak.naps:  # a sleeper caught up by deltas, a lapsed one recovered from an anchor
+        assert len(soak.woke) == 2 and lease_key("lapse") in soak.expired
     assert c["syncs recovered"] == failed  # every follower ended at the newest version
     assert not soak.kill_pending
     assert flaky.fired == c["syncs failed: write failure"]  # each surfaced as itself

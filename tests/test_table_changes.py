@@ -165,6 +165,22 @@ def test_pull_follows_table_changes(
             assert folder.version == v
 
 
+def test_a_folder_keeps_one_lease_across_table_changes(tmp_path: Path) -> None:
+    """Every subscriber of one FolderSync (the folder's, the rebuild's at a table change, the
+    reopened folder's) writes the same lease: none is left behind to hold old versions."""
+    store = tmp_path / "store"
+    pub = Publisher(store)
+    pub.publish({"a": torch.zeros(8)}, version=1)
+    pub.publish({"a": torch.ones(8)}, version=2)
+    pub.publish({"a": torch.ones(8), "b": torch.zeros(4)}, version=3)  # an anchor
+    folder = FolderSync(str(store), tmp_path / "dest")
+    for v in (1, 2, 3):
+        folder.pull(v)
+        leases = LocalStore(store).list("leases/")
+        assert len(leases) == 1, (v, leases)
+        assert json.loads(LocalStore(store).get(leases[0]))["version"] == v
+
+
 def test_a_sharded_folder_is_switched_to_a_single_file_and_back(
     table_store: Path, states: list[Tensors], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -372,7 +388,7 @@ class Fork:
         shared, loser, winner = chain_states()
         self.store, self.winner = tmp / "store", winner
         won = tmp / "won"
-        pub = Publisher(self.store, max_frame_bytes=2048)
+        pub = Publisher(self.store, max_frame_bytes=2048, anchor_policy="never")  # policy copies would change where recovery starts
         for v in range(1, 5):
             pub.publish(shared[v], version=v)
         shutil.copytree(self.store, won)
@@ -386,7 +402,7 @@ class Fork:
         self.engine = Subscriber(self.store, tensors=self.engine_tensors, version=4)
         self.engine.sync(5)
         assert_exact(loser, self.engine_tensors)
-        wpub = Publisher(won, max_frame_bytes=2048)
+        wpub = Publisher(won, max_frame_bytes=2048, anchor_policy="never")
         wpub.attach(shared[4], version=4)
         for v in (5, 6) if how == "same" else (6,):
             assert wpub.publish(winner[v], version=v).kind == "delta"

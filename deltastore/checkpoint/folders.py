@@ -86,6 +86,7 @@ from deltastore.layout.boxes import Layout
 from deltastore.progress import ProgressFn
 from deltastore.publish.publisher import Publisher, PublishReport
 from deltastore.store import open_store
+from deltastore.sync.lease import default_reader_id
 from deltastore.sync.subscriber import Subscriber, SyncReport
 from deltastore.tensors.dtypes import np_words
 from deltastore.tensors.tables import table_of_manifest
@@ -151,7 +152,10 @@ class FolderSync:
     ``.deltastore.pending`` exists), else raise :class:`TensorMismatchError`; ``True``: always
     repair; ``False``: never. :attr:`last_repair` says what the last repair found and did.
     A target with another tensor table than the folder's is built beside it and switched
-    for it (see the module docstring).
+    for it (see the module docstring). ``subscriber_options`` go to every
+    :class:`Subscriber` the folder uses (the folder's, a rebuild's, a repair's); they share one
+    ``reader_id``, hence one lease (default: one :func:`~deltastore.sync.lease.default_reader_id`
+    per ``FolderSync``).
     """
 
     def __init__(
@@ -164,6 +168,9 @@ class FolderSync:
         **subscriber_options: Any,
     ) -> None:
         self.dest = Path(dest)
+        # one reader id for every subscriber of this folder (the folder's, a rebuild's, a
+        # repair's), so that they keep one lease and leave none behind
+        subscriber_options.setdefault("reader_id", default_reader_id())
         self._url, self._opts, self._sub_opts = url, storage_options, subscriber_options
         self._repair = repair
         self._ckpt: MappedCheckpoint | None = None
