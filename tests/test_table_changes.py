@@ -388,7 +388,9 @@ class Fork:
         shared, loser, winner = chain_states()
         self.store, self.winner = tmp / "store", winner
         won = tmp / "won"
-        pub = Publisher(self.store, max_frame_bytes=2048, anchor_policy="never")  # policy copies would change where recovery starts
+        pub = Publisher(
+            self.store, max_frame_bytes=2048, anchor_policy="never"
+        )  # policy copies would change where recovery starts
         for v in range(1, 5):
             pub.publish(shared[v], version=v)
         shutil.copytree(self.store, won)

@@ -496,7 +496,12 @@ class Publisher(ChainWriter):
     ``unsafe_commits`` (publish to a store whose service ignores create-if-absent
     preconditions, which is refused otherwise: only one publisher may then write to the
     store; each commit is read back and :class:`ForkError` raised when the manifest is not
-    this publisher's; a no-op on stores that enforce them).
+    this publisher's; a no-op on stores that enforce them), ``anchor_policy`` (when a delta
+    also gets an anchor copy ``anchors/<v>.json`` for fresh replicas, written after its
+    commit: ``"cost"``, the default: when the stored bytes of the deltas since the newest
+    anchor would exceed its own; ``"cost:K"``, ``"every:N"``, ``"never"``, or an
+    :class:`~deltastore.publish.policy.AnchorPolicy`; :attr:`PublishReport.anchor_reason`
+    says why).
     """
 
     def _copy_reason(self) -> str | None:
