@@ -1136,14 +1136,13 @@ def test_an_error_while_printing_the_result_is_not_handled_as_the_commands_error
     assert_one_line_error(failed, common.EXIT_NOT_FOUND)
 
 
-def test_gc_says_that_orphans_is_required(tmp_path: Path) -> None:
+def test_gc_says_what_it_can_collect(tmp_path: Path) -> None:
     help_text = ok("gc", "--help").stdout
-    assert re.search(r"Usage: \S+ gc --orphans \[OPTIONS\] STORE\s", help_text), help_text
-    row = next(line for line in help_text.splitlines() if "--orphans" in line and "*" in line)
-    assert "Required" in help_text and "[required]" in help_text, row
+    assert re.search(r"Usage: \S+ gc \[--keep N\] \[--orphans\] \[OPTIONS\] STORE\s", help_text)
+    assert "--keep" in help_text and "--orphans" in help_text
     result = cli("gc", tmp_path)
     assert result.exit_code == common.EXIT_USAGE
-    assert "Missing option '--orphans'" in result.output
+    assert "nothing to collect: give --keep N and/or --orphans" in result.output
 
 
 def test_human_bytes() -> None:

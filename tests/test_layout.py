@@ -188,7 +188,7 @@ def expected(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def test_scatter_failure_midway_is_rolled_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pub = Publisher(tmp_path, max_frame_bytes=512)
+    pub = Publisher(tmp_path, max_frame_bytes=512, anchor_policy="never")
     v0, v1 = model(0), step(model(0), 1)
     pub.publish(v0, version=0)
     calls = {"n": 0}
@@ -221,7 +221,7 @@ def test_scatter_failure_midway_is_rolled_back(
 
 
 def test_wrong_parent_and_damaged_replica_are_refused(tmp_path: Path) -> None:
-    pub = Publisher(tmp_path, max_frame_bytes=512)
+    pub = Publisher(tmp_path, max_frame_bytes=512, anchor_policy="never")
     v0 = model(0)
     pub.publish(v0, version=0)
     sub = Subscriber(tmp_path, layout=two_ranks())
@@ -247,14 +247,14 @@ def test_delta_on_another_parent_recovers_from_the_anchor(
     """The store was rewritten under a receiver: its version 1 is not the receiver's. The
     receiver goes back to the anchor v0 (a warning says why) and reaches the new v2."""
     v0 = model(0)
-    pub = Publisher(tmp_path, max_frame_bytes=512)
+    pub = Publisher(tmp_path, max_frame_bytes=512, anchor_policy="never")
     pub.publish(v0, version=0)
     pub.publish(step(v0, 1), version=1)
     sub = Subscriber(tmp_path, layout=two_ranks())
     sub.sync()
     assert sub.tensors is not None
     (tmp_path / "manifests" / f"{1:020d}.json").unlink()  # an operator rolled the store back
-    redo = Publisher(tmp_path, max_frame_bytes=512)
+    redo = Publisher(tmp_path, max_frame_bytes=512, anchor_policy="never")
     redo.attach(v0)
     other = step(v0, 7)
     redo.publish(other, version=1)
@@ -269,7 +269,7 @@ def test_delta_on_another_parent_recovers_from_the_anchor(
 
 
 def test_fresh_bootstrap_from_a_damaged_anchor_leaves_no_version(tmp_path: Path) -> None:
-    pub = Publisher(tmp_path, max_frame_bytes=512)
+    pub = Publisher(tmp_path, max_frame_bytes=512, anchor_policy="never")
     pub.publish(model(0), version=0)
     manifest_path = next((tmp_path / "manifests").iterdir())
     data = manifest_path.read_bytes()
@@ -285,7 +285,7 @@ def test_fresh_bootstrap_from_a_damaged_anchor_leaves_no_version(tmp_path: Path)
 
 
 def test_delta_applies_bit_exact_through_two_rank_layout(tmp_path: Path) -> None:
-    pub = Publisher(tmp_path, max_frame_bytes=512)
+    pub = Publisher(tmp_path, max_frame_bytes=512, anchor_policy="never")
     states = [model(0)]
     for i in range(1, 4):
         states.append(step(states[-1], i))

@@ -66,7 +66,7 @@ def history() -> list[Tensors]:
 @pytest.fixture(scope="module")
 def pristine(history: list[Tensors], tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("verify") / "store"
-    pub = Publisher(path, max_frame_bytes=1024, max_object_bytes=4096)
+    pub = Publisher(path, max_frame_bytes=1024, max_object_bytes=4096, anchor_policy="never")
     for v in range(1, VERSIONS + 1):
         pub.publish(history[v], version=v, anchor=True if v == 5 else None)
     return path
