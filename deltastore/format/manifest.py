@@ -273,6 +273,11 @@ class Manifest(_Model, SizeRatios):
     def dense_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
+    @property
+    def objects(self) -> frozenset[str]:
+        """The data object keys its frames name."""
+        return frozenset(f.object for t in self.tensors.values() for f in t.frames)
+
     def to_bytes(self) -> bytes:
         """Serialized manifest (UTF-8 JSON) exactly as committed."""
         return self.model_dump_json(indent=1).encode() + b"\n"

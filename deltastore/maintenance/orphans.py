@@ -209,9 +209,9 @@ def _read_manifests(reader: ChainReader, versions: set[int], referenced: set[str
     chain = reader.read_all(_refuse, skip=versions)
     for version, manifest in chain.manifests.items():
         versions.add(version)
-        referenced.update(f.object for e in manifest.tensors.values() for f in e.frames)
+        referenced.update(manifest.objects)
     for copy in chain.copies.values():  # an anchor copy's objects are never orphans
-        referenced.update(f.object for e in copy.tensors.values() for f in e.frames)
+        referenced.update(copy.objects)
 
 
 def _refuse(damaged: Damaged) -> None:

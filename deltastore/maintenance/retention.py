@@ -137,12 +137,9 @@ def retain(
 
     def manifest(v: int) -> Manifest:
         if v not in manifests:
-            manifests[v] = reader.manifest(v)
-            if v in copies and manifests[v].kind == "delta":
-                with contextlib.suppress(DeltastoreError):
-                    c = reader.anchor_copy(v)
-                    if c.state_digest == manifests[v].state_digest:
-                        usable[v] = c
+            m = manifests[v] = reader.manifest(v)
+            if v in copies and m.kind == "delta" and (c := reader.usable_copy(m)) is not None:
+                usable[v] = c
         return manifests[v]
 
     kept = {v for v in versions if v >= floor}
@@ -225,7 +222,7 @@ def _delete_plan(
     objects. Never an object that a kept manifest or copy references."""
     if not doomed and not dropped:
         return []
-    referenced = {f.object for m in kept_manifests for e in m.tensors.values() for f in e.frames}
+    referenced = frozenset().union(*(m.objects for m in kept_manifests))
     by_version: dict[int, list[str]] = {}
     for key in store.list(DATA_PREFIX):
         match = _VERSION_FOLDER.match(key)
@@ -251,7 +248,7 @@ def _delete_plan(
         try:
             c = reader.anchor_copy(v)
             size = c.payload_bytes
-            objects = sorted({f.object for e in c.tensors.values() for f in e.frames} - referenced)
+            objects = sorted(c.objects - referenced)
         except DeltastoreError:  # damaged: its objects are unknown, they stay (orphans)
             pass
         out.append(DeletedVersion(v, "anchor copy", True, size, (anchor_key(v), *objects)))

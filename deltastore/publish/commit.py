@@ -67,13 +67,12 @@ def chain_costs(reader: ChainReader, version: int) -> AnchorCosts:
     try:
         while v is not None:
             m = reader.manifest(v)
-            if m.kind == "delta" and v in copies:
-                copy = reader.anchor_copy(v)
-                if copy.state_digest == m.state_digest:
-                    costs.anchored(v, stored_bytes(copy), last_delta=stored_bytes(m))
-                    if deltas:
-                        costs.last_delta = deltas[0]
-                    break
+            copy = reader.usable_copy(m) if m.kind == "delta" and v in copies else None
+            if copy is not None:
+                costs.anchored(v, stored_bytes(copy), last_delta=stored_bytes(m))
+                if deltas:
+                    costs.last_delta = deltas[0]
+                break
             if m.kind == "anchor":
                 costs.anchored(v, stored_bytes(m))
                 break
@@ -124,15 +123,7 @@ def commit_manifest(
         token=token,
         signing_key=signing_key,
     )
-    key = manifest_key(version)
-    try:
-        store.put_if_absent(key, body)
-    except StoreError:
-        # A lost response (or a retry that found our own first attempt): read the key back.
-        # The body holds this writer's random token and a timestamp, so equal bytes are ours.
-        if not _is_ours(store, key, body):
-            raise
-        log.info("version %d: the manifest create failed but the manifest is ours", version)
+    _create(store, manifest_key(version), body)
     return manifest, body
 
 
@@ -189,14 +180,26 @@ def write_anchor_copy(
         token=token,
         signing_key=signing_key,
     )
-    key = anchor_key(version)
+    try:
+        _create(store, anchor_key(version), body)
+    except DeltastoreError as exc:
+        log.warning("version %d is committed but its anchor copy is not (%s)", version, exc)
+        return None
+    return manifest
+
+
+def _create(store: Store, key: str, body: bytes) -> None:
+    """Create ``key`` with ``body`` (``put_if_absent``). When the create raises a
+    :class:`StoreError` (a lost response, or a retry that found its first attempt's object),
+    the key is read back: holding exactly ``body`` (a writer's random token and a timestamp
+    make it unique), it is this writer's and the call succeeds; otherwise the error is
+    raised."""
     try:
         store.put_if_absent(key, body)
-    except DeltastoreError as exc:
+    except StoreError:
         if not _is_ours(store, key, body):
-            log.warning("version %d is committed but its anchor copy is not (%s)", version, exc)
-            return None
-    return manifest
+            raise
+        log.info("%s: the create failed but the object is ours", key)
 
 
 def _is_ours(store: Store, key: str, body: bytes) -> bool:

@@ -367,7 +367,7 @@ class ChainReader:
             if m.kind == "anchor":
                 break
             if copy is None and m.version in copies and (held is None or m.version > held.version):
-                found = self._usable_copy(m)
+                found = self.usable_copy(m)
                 if found is not None:
                     copy = (len(walked) - 1, found)
                     if held is None:
@@ -414,12 +414,13 @@ class ChainReader:
         walked.reverse()
         return Plan(tuple(walked), why, "deltas" if reached else "anchor", _bytes(walked), via_copy)
 
-    def _usable_copy(self, m: Manifest) -> Manifest | None:
-        """The anchor copy of ``m``'s version when it holds ``m``'s state (None otherwise:
-        damaged, gone, or of another state, which is logged)."""
+    def usable_copy(self, m: Manifest) -> Manifest | None:
+        """The anchor copy of ``m``'s version when it holds ``m``'s state, ``m`` being the
+        version's committed manifest (None otherwise: absent, damaged, or of another state,
+        logged; other store errors are raised). Spec section 9.4."""
         try:
             c = self.anchor_copy(m.version)
-        except DeltastoreError as exc:
+        except (ObjectNotFoundError, ManifestError, SignatureError) as exc:
             log.warning("anchor copy of version %d unusable (%s); ignored", m.version, exc)
             return None
         if c.state_digest != m.state_digest:
