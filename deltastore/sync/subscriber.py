@@ -286,8 +286,9 @@ class Subscriber:
         for attempt in range(2):
             self._check_tables(list(plan.steps))
             base = plan.steps[0].version if plan.path == "anchor" else self._version
+            leased = self._lease.version
             if base is not None:  # before fetching: the versions from base up are needed
-                self._lease.hold(min(base, self._lease.version or base))
+                self._lease.hold(base if leased is None else min(base, leased))
             try:
                 for m in plan.steps:
                     v_s, p_s = self._apply(m, timer)
