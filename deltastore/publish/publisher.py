@@ -609,12 +609,13 @@ class Publisher(ChainWriter):
             confirm_commit(self.store, version, body)
         pending.upload_s += time.perf_counter() - t0
         self._adopt(manifest, host, pending, incremental=parent is not None)
-        if kind == "anchor":  # stored bytes: frames and manifest
-            self._costs.anchored(version, stored_bytes(manifest))
+        stored = manifest.payload_bytes + len(body)  # what a reader fetches: frames, manifest
+        if kind == "anchor":
+            self._costs.anchored(version, stored)
         elif copy is not None:
-            self._costs.anchored(version, stored_bytes(copy), last_delta=stored_bytes(manifest))
+            self._costs.anchored(version, stored_bytes(copy), last_delta=stored)
         else:
-            self._costs.delta(stored_bytes(manifest))
+            self._costs.delta(stored)
         report = self._report(
             version,
             kind,
