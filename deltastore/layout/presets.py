@@ -88,8 +88,9 @@ class ModelSpec:
 
         Keys: ``model_type``, ``vocab_size``, ``hidden_size``, ``num_hidden_layers``,
         ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads`` (default: the
-        heads), ``head_dim`` (default: hidden / heads), ``num_experts`` (qwen3_moe) or
-        ``num_local_experts`` (mixtral), ``moe_intermediate_size`` (qwen3_moe; mixtral's
+        heads), ``head_dim`` (default: hidden / heads), ``num_experts`` (qwen3_moe; transformers
+        5 writes ``num_local_experts``) or ``num_local_experts`` (mixtral),
+        ``moe_intermediate_size`` (qwen3_moe; mixtral's
         experts use ``intermediate_size``), ``tie_word_embeddings`` (default False). Qwen2 has
         q/k/v biases, Qwen3 q/k norms. Raises :class:`LayoutError` for other model types and for
         variants the presets do not describe (biased llama attention, Qwen3-MoE dense layers).
@@ -105,7 +106,10 @@ class ModelSpec:
             raise LayoutError("qwen3_moe with dense layers (mlp_only_layers, decoder_sparse_step)")
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
+        # transformers 5 names Qwen3-MoE's expert count num_local_experts, as Mixtral's
         experts = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}.get(family)
+        if experts and experts not in config and "num_local_experts" in config:
+            experts = "num_local_experts"
         moe_inter = {"qwen3_moe": "moe_intermediate_size", "mixtral": "intermediate_size"}
         return cls(
             vocab=int(config["vocab_size"]),
