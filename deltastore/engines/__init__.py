@@ -27,7 +27,13 @@ _EXPORTS = {
     "derive_layout": "deltastore.engines.vllm",
     "follow": "deltastore.engines.vllm",
 }
-__all__ = ["DeltastoreWorkerExtension", "EngineLayout", "EngineSyncError", "derive_layout", "follow"]
+__all__ = [
+    "DeltastoreWorkerExtension",
+    "EngineLayout",
+    "EngineSyncError",
+    "derive_layout",
+    "follow",
+]
 
 if not TYPE_CHECKING:  # type checkers see the imports above
     __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -160,7 +160,11 @@ def _fit(
 
 
 def _custom_layout(
-    qualname: str, shapes: Mapping[str, Sequence[int]], hf_config: Mapping[str, Any], rank: int, size: int
+    qualname: str,
+    shapes: Mapping[str, Sequence[int]],
+    hf_config: Mapping[str, Any],
+    rank: int,
+    size: int,
 ) -> Layout:
     module, _, attr = qualname.partition(":")
     if not module or not attr:
@@ -239,7 +243,9 @@ class _Receiver:
         size = ps.get_tensor_model_parallel_world_size()
         params = dict(model.named_parameters())
         owner = {n: model.get_submodule(n.rpartition(".")[0]) for n in params}
-        shapes = {n: _checkpoint_shape(owner[n], n.rpartition(".")[2], p) for n, p in params.items()}
+        shapes = {
+            n: _checkpoint_shape(owner[n], n.rpartition(".")[2], p) for n, p in params.items()
+        }
         if options.get("layout"):
             custom = _custom_layout(str(options["layout"]), shapes, hf_config, self.rank, size)
             el = _fit(custom, None, shapes, f"layout {options['layout']}")
@@ -267,9 +273,10 @@ class _Receiver:
                 self._modules[mod_name] = mod
                 for src in el.sources.get(name, ()):
                     self._modules_of.setdefault(src, set()).add(mod_name)
-                if type(method).__name__ == "UnquantizedEmbeddingMethod" and tuple(
-                    p.shape
-                ) == el.shapes[name]:
+                if (
+                    type(method).__name__ == "UnquantizedEmbeddingMethod"
+                    and tuple(p.shape) == el.shapes[name]
+                ):
                     tensors[name] = p.data  # embeddings keep their weight: in place, re-packed
                     continue
                 shadow = torch.empty(el.shapes[name], dtype=p.dtype, device=p.device)
@@ -343,7 +350,7 @@ class _Receiver:
             for pname, shadow in self._shadows.get(name, {}).items():
                 # a copy: a kernel may keep (or repack into) the tensor it is given
                 setattr(mod, pname, torch.nn.Parameter(shadow.clone(), requires_grad=False))
-            method = mod.quant_method
+            method: Any = mod.quant_method
             if getattr(method, "moe_kernel", None) is not None:
                 method.moe_kernel = None  # MoE: the first-load path prepacks the experts again
             method.process_weights_after_loading(mod)

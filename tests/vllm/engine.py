@@ -1,5 +1,5 @@
 """One vLLM engine in a process of its own (the tests start it with the environment of
-``tools.engine_env``); prints its JSON result as the last line of stdout.
+``tools.engine_env``); prints its JSON result on the stdout line that starts with ``tools.RESULT``.
 
     engine.py reference FOLDER...            fresh engines, one per checkpoint folder
     engine.py follow START STORE V,V,...     an engine loaded from START follows STORE
@@ -18,7 +18,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import tools  # noqa: E402
+import tools
 
 
 def engine_kwargs(folder: str, tp: int) -> dict[str, Any]:
@@ -154,7 +154,7 @@ def main() -> None:
         res = asyncio.run(follow_async(a)) if a.api == "async" else follow_llm(a)
     else:
         res = layouts(a.archs, a.tp, a.workdir)
-    sys.stdout.write("\n" + json.dumps(res) + "\n")
+    sys.stdout.write("\n" + tools.RESULT + json.dumps(res) + "\n")
     sys.stdout.flush()
 
 

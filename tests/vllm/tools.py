@@ -25,6 +25,8 @@ PROMPTS: list[list[int]] = [
     [(i * 13 + 5) % 1000 for i in range(48)],
 ]
 MAX_TOKENS = 8
+#: the prefix of engine.py's result line (vLLM's workers log to stdout too)
+RESULT = "DELTASTORE-RESULT "
 #: one core per TP rank (vLLM refuses TP 2 on this machine without it)
 TP_BIND = {1: None, 2: "0|1"}
 
@@ -38,6 +40,10 @@ def tiny_config(arch: str) -> Any:
         vocab_size=1024, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
     )  # fmt: skip
+    names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
+             "mixtral": "Mixtral"}  # fmt: skip
+    if arch in names:  # vLLM picks its model class by the config's architectures
+        common["architectures"] = [f"{names[arch]}ForCausalLM"]
     if arch == "llama":
         return tf.LlamaConfig(intermediate_size=256, **common)
     if arch == "qwen2":
@@ -80,7 +86,18 @@ def train_and_publish(model_dir: Path, store: Path, steps: int, anchors: set[int
     pub = Publisher(str(store))
 
     def state() -> dict[str, torch.Tensor]:
-        return {n: t.detach().to(torch.bfloat16).contiguous() for n, t in model.state_dict().items()}
+        # the checkpoint's names and layout (transformers 5 fuses experts in memory and
+        # splits them again on save): what the trainer publishes is what vLLM loads
+        import tempfile
+
+        from safetensors.torch import load_file
+
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp)
+            out: dict[str, torch.Tensor] = {}
+            for f in sorted(Path(tmp).glob("*.safetensors")):
+                out |= {n: t.to(torch.bfloat16).contiguous() for n, t in load_file(f).items()}
+        return out
 
     pub.publish(state(), version=0)
     for v in range(1, steps + 1):
@@ -112,7 +129,11 @@ def pull_folders(store: Path, model_dir: Path, dest: Path, versions: list[int]) 
 
 def engine_env(tp: int, multiprocess: bool) -> dict[str, str]:
     """The environment of an engine process (see docs/engines.md)."""
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0")
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
+    )
     if TP_BIND[tp]:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(TP_BIND[tp])
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), env.get("PYTHONPATH", "")])
@@ -120,7 +141,7 @@ def engine_env(tp: int, multiprocess: bool) -> dict[str, str]:
 
 
 def run_engine(args: list[str], tp: int, multiprocess: bool, timeout: float = 900) -> Any:
-    """Run ``engine.py args...`` in a process of its own; its JSON result (last stdout line)."""
+    """Run ``engine.py args...`` in a process of its own; its JSON result."""
     proc = subprocess.run(
         [sys.executable, str(HERE / "engine.py"), *args],
         env=engine_env(tp, multiprocess), capture_output=True, text=True, timeout=timeout,
@@ -128,12 +149,19 @@ def run_engine(args: list[str], tp: int, multiprocess: bool, timeout: float = 90
     if proc.returncode != 0:
         raise AssertionError(f"engine.py {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{proc.stderr[-6000:]}\n{proc.stdout[-2000:]}")  # fmt: skip
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
+    if not lines:
+        raise AssertionError(
+            f"engine.py {' '.join(args)} printed no result:\n{proc.stdout[-4000:]}"
+        )
+    return json.loads(lines[-1][len(RESULT) :])
 
 
 def corrupt_frame(store: Path, version: int) -> None:
     """Flip bytes in the middle of the largest data object of ``version`` (a local store)."""
-    objects = sorted((store / "versions" / f"{version:020d}").glob("*.dsz"), key=lambda o: o.stat().st_size)
+    objects = sorted(
+        (store / "versions" / f"{version:020d}").glob("*.dsz"), key=lambda o: o.stat().st_size
+    )
     target = objects[-1]
     data = bytearray(target.read_bytes())
     mid = len(data) // 2
