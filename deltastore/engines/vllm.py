@@ -324,6 +324,7 @@ class _Receiver:
         self._thread: threading.Thread | None = None
         self._result: dict[str, Any] | None = None
         self._rebuilt, self._rebuild_s = 0, 0.0
+        self._pending: set[str] = set()  # modules written but not yet rebuilt
         self._gate = _Gate()
         self._gate.timeout_s = float(options.get("commit_timeout_s", 600.0))
         self.sub: Subscriber = Subscriber(
@@ -358,16 +359,22 @@ class _Receiver:
         self._rebuild_s += time.perf_counter() - t0
 
     def _on_version(self, m: Manifest) -> None:
+        """After ``m`` was written: rebuild the kernels of the modules it changed. Modules
+        whose rebuild failed stay pending and are rebuilt first by the next sync."""
         if not self._modules:
             return
         if m.kind == "anchor":
-            self._rebuild(set(self._modules))
-            return
-        touched: set[str] = set()
+            self._pending |= set(self._modules)
         for name, entry in m.tensors.items():
             if entry.changed:
-                touched |= self._modules_of.get(name, set())
-        self._rebuild(touched)
+                self._pending |= self._modules_of.get(name, set())
+        self._rebuild_pending()
+
+    def _rebuild_pending(self) -> None:
+        while self._pending:
+            name = min(self._pending)
+            self._rebuild({name})
+            self._pending.discard(name)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -386,6 +393,7 @@ class _Receiver:
         self._rebuilt, self._rebuild_s = 0, 0.0
         out: dict[str, Any] = {"rank": self.rank, "from_version": self.sub.version}
         try:
+            self._rebuild_pending()  # a previous sync wrote but failed to rebuild
             report = self.sub.sync(version, on_version=self._on_version)
             out.update(ok=True, report=dataclasses.asdict(report), error=None)
         except Exception as exc:

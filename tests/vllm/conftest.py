@@ -18,6 +18,10 @@ LAST = 6
 ANCHORS = {LAST}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "full: longer engine runs, deselected by make test-vllm")
+
+
 @dataclass(frozen=True)
 class Chain:
     """A model, the store its trainer published to, and a checkpoint folder per version."""
