@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from deltastore import errors
 from deltastore.errors import DeltastoreError, LayoutError
-from deltastore.layout.boxes import Layout
+from deltastore.layout.boxes import Layout, Part, Replicate, Shard
 from deltastore.layout.presets import FAMILIES, ModelSpec, hf_shapes, vllm_layout
 
 if TYPE_CHECKING:
@@ -155,8 +155,17 @@ def _fit(
             + "; pass layout='package.module:function' to describe this model"
         )
     local_shapes = {n: tuple(int(d) for d in shapes[n]) for n in parts}
-    sources = dict(bound.local_sources) if bound is not None else {}
+    sources = {n: tuple(dict.fromkeys(_names(p))) for n, p in layout.parts.items()}
     return EngineLayout(layout, local_shapes, sources)
+
+
+def _names(part: Part) -> list[str]:
+    """The global tensors an expression names, in order."""
+    if isinstance(part, Replicate):
+        return [part.name]
+    if isinstance(part, Shard):
+        return _names(part.part)
+    return [n for p in part.parts for n in _names(p)]
 
 
 def _custom_layout(
@@ -265,6 +274,7 @@ class _Receiver:
         self._shadows: dict[str, dict[str, torch.Tensor]] = {}  # module -> param -> shadow
         self._modules: dict[str, torch.nn.Module] = {}  # modules rebuilt after a change
         self._modules_of: dict[str, set[str]] = {}  # HF name -> modules to rebuild
+        shadowed: list[str] = []
         for name in el.layout.parts:
             p, mod = params[name], owner[name]
             mod_name, _, pname = name.rpartition(".")
@@ -282,6 +292,7 @@ class _Receiver:
                 shadow = torch.empty(el.shapes[name], dtype=p.dtype, device=p.device)
                 self._shadows.setdefault(mod_name, {})[pname] = shadow
                 tensors[name] = shadow
+                shadowed.append(name)
             elif tuple(p.shape) != el.shapes[name] or not p.data.is_contiguous():
                 raise LayoutError(
                     f"parameter {name} holds {list(p.shape)}, not its checkpoint shape "
@@ -312,12 +323,11 @@ class _Receiver:
                 common[key] = int(options[key])
         t0 = time.perf_counter()
         self.filled: dict[str, Any] | None = None
-        if self._shadows:  # the packed weights cannot be read back: fill the shadows from the store
-            names = [n for n in tensors if _is_shadow(tensors[n], self._shadows)]
+        if shadowed:  # the packed weights cannot be read back: fill the shadows from the store
             fill = Subscriber(
                 url,
-                **{**common, "layout": Layout({n: el.layout.parts[n] for n in names})},
-                tensors={n: tensors[n] for n in names},
+                **{**common, "layout": Layout({n: el.layout.parts[n] for n in shadowed})},
+                tensors={n: tensors[n] for n in shadowed},
                 lease_ttl=None,
             )
             self.filled = dataclasses.asdict(fill.sync(version))
@@ -451,10 +461,6 @@ def _checkpoint_shape(module: Any, pname: str, param: torch.Tensor) -> tuple[int
     info = LAYERWISE_INFO.get(module)
     meta = info.restore_metadata[0].get(pname) if info is not None else None
     return tuple(meta.shape) if meta is not None else tuple(param.shape)
-
-
-def _is_shadow(t: torch.Tensor, shadows: Mapping[str, Mapping[str, torch.Tensor]]) -> bool:
-    return any(t is s for d in shadows.values() for s in d.values())
 
 
 class DeltastoreWorkerExtension:
