@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from deltastore import errors
 from deltastore.errors import DeltastoreError, LayoutError
-from deltastore.layout.boxes import Layout, Part, Replicate, Shard
+from deltastore.layout.boxes import Layout
 from deltastore.layout.presets import FAMILIES, ModelSpec, hf_shapes, vllm_layout
 
 if TYPE_CHECKING:
@@ -155,17 +155,7 @@ def _fit(
             + "; pass layout='package.module:function' to describe this model"
         )
     local_shapes = {n: tuple(int(d) for d in shapes[n]) for n in parts}
-    sources = {n: tuple(dict.fromkeys(_names(p))) for n, p in layout.parts.items()}
-    return EngineLayout(layout, local_shapes, sources)
-
-
-def _names(part: Part) -> list[str]:
-    """The global tensors an expression names, in order."""
-    if isinstance(part, Replicate):
-        return [part.name]
-    if isinstance(part, Shard):
-        return _names(part.part)
-    return [n for p in part.parts for n in _names(p)]
+    return EngineLayout(layout, local_shapes, layout.sources())
 
 
 def _custom_layout(

@@ -402,6 +402,10 @@ class Layout:
             raise LayoutError(f"layouts both declare local tensors {sorted(clash)[:5]}")
         return Layout({**self.parts, **other.parts})
 
+    def sources(self) -> dict[str, tuple[str, ...]]:
+        """Local name -> the global tensors its expression names, in order (no shapes needed)."""
+        return {n: tuple(dict.fromkeys(_sources(p))) for n, p in self.parts.items()}
+
     def prefixed(self, prefix: str) -> Layout:
         """The same layout with every local name prefixed (e.g. to hold several ranks)."""
         return Layout({prefix + n: p for n, p in self.parts.items()})
