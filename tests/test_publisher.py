@@ -265,3 +265,25 @@ def test_lone_surrogate_names_are_refused_before_upload(tmp_path: Path) -> None:
     with pytest.raises(TensorMismatchError):
         Publisher(tmp_path).publish({"bad\ud800": torch.zeros(2)}, version=1)
     assert not (tmp_path / "versions").exists()
+
+
+def test_publish_requests_do_not_grow_with_the_run(tmp_path: Path) -> None:
+    """A publisher takes the head from its own state: the same store operations at version 1
+    and at version 40, and no listing of all of manifests/ (issue 16)."""
+    from deltastore.store import LocalStore
+    from deltastore.testing.faults import FaultyStore
+
+    store = FaultyStore(LocalStore(tmp_path))
+    pub = Publisher(store, anchor_policy="never")
+    w = {"w": torch.zeros(64, 64, dtype=torch.bfloat16)}
+    seen: dict[int, list[tuple[str, str]]] = {}
+    for v in range(41):
+        w["w"].view(torch.int16)[0, v] += 1
+        store.reset()
+        pub.publish(w, version=v)
+        seen[v] = [(op.name, op.key.replace(f"{v:020d}", "V")) for op in store.ops]
+    assert ("list", "manifests/") in seen[0]  # the first publish looks at the whole store
+    for v in (1, 40):
+        assert ("list", "manifests/") not in seen[v], seen[v]
+    strip = [(n, k.split("/")[0]) for n, k in seen[1]]
+    assert strip == [(n, k.split("/")[0]) for n, k in seen[40]]

@@ -284,7 +284,13 @@ class ChainWriter:
         held = self._held.version
         if held is not None and version <= held:
             raise VersionOrderError(f"version {version} is not above the last published {held}")
-        head = head_version(self.store)
+        # the head from this publisher's own state: one listing after it, which does not
+        # grow with the run (a full listing of manifests/ only before the first publish)
+        head = (
+            head_version(self.store)
+            if held is None
+            else max(ChainReader(self.store).versions_after(held), default=held)
+        )
         if head is not None and version <= head:
             raise VersionOrderError(
                 f"version {version} is not above the store's newest version {head}; "
