@@ -236,10 +236,16 @@ class _Receiver:
                 "pipeline and expert parallelism are not supported by the vLLM adapter yet: "
                 "run with tensor parallelism only, or pass layout= for this worker"
             )
+        size = ps.get_tensor_model_parallel_world_size()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if size > 1 and world != size:
+            raise LayoutError(
+                f"{world} ranks in the torch world but TP {size}: data or pipeline parallel "
+                "ranks in one world are not supported by the vLLM adapter yet"
+            )
         model = worker.model_runner.model
         hf_config = config.model_config.hf_config.to_dict()
         self.rank = ps.get_tensor_model_parallel_rank()
-        size = ps.get_tensor_model_parallel_world_size()
         params = dict(model.named_parameters())
         owner = {n: model.get_submodule(n.rpartition(".")[0]) for n in params}
         shapes = {
@@ -293,12 +299,6 @@ class _Receiver:
         self.shadow_bytes = sum(
             t.numel() * t.element_size() for d in self._shadows.values() for t in d.values()
         )
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if size > 1 and world != size:
-            raise LayoutError(
-                f"{world} ranks in the torch world but TP {size}: data or pipeline parallel "
-                "ranks in one world are not supported by the vLLM adapter yet"
-            )
         # the engine's own groups carry its collectives; a sync gets a group of its own
         self._group = dist.new_group(ranks=list(range(size)), backend="gloo") if size > 1 else None
         device = next(iter(tensors.values())).device
@@ -540,6 +540,11 @@ def raise_for_error(results: Sequence[Mapping[str, Any]]) -> None:
             raise cls(f"rank {r.get('rank')}: {err.get('message')}")
 
 
+def _changed(results: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether any worker wrote (or rebuilt) weights: the prefix cache is then stale."""
+    return any(r.get("rebuilt_modules") or (r.get("report") or {}).get("applied") for r in results)
+
+
 def _is_async(engine: Any) -> bool:
     return asyncio.iscoroutinefunction(getattr(engine, "collective_rpc", None))
 
@@ -566,7 +571,7 @@ def sync(llm: Any, version: int | None = None, *, check: bool = False) -> list[d
     to ``version`` (newest: None) and reset the prefix cache. ``check``: raise the workers'
     typed error (:func:`raise_for_error`) instead of returning it."""
     out: list[dict[str, Any]] = llm.collective_rpc("deltastore_sync", args=(version,))
-    if any(r.get("rebuilt_modules") or (r.get("report") or {}).get("applied") for r in out):
+    if _changed(out):
         llm.reset_prefix_cache()
     if check:
         raise_for_error(out)
@@ -615,7 +620,7 @@ async def sync_async(
         out: list[dict[str, Any]] = await engine.collective_rpc(
             "deltastore_commit", args=(commit_timeout_s,)
         )
-        if any(r.get("rebuilt_modules") or (r.get("report") or {}).get("applied") for r in out):
+        if _changed(out):
             await engine.reset_prefix_cache()
     finally:
         if paused:

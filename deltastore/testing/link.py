@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 
@@ -230,7 +230,9 @@ async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> b
     return b"".join([c async for c in _body_chunks(reader, headers)])
 
 
-async def _body_chunks(reader: asyncio.StreamReader, headers: dict[str, str]):  # type: ignore[no-untyped-def]
+async def _body_chunks(
+    reader: asyncio.StreamReader, headers: dict[str, str]
+) -> AsyncIterator[bytes]:
     """The raw bytes of a message body (chunked framing kept), in pieces of <= 64 KiB."""
     if "chunked" in headers.get("transfer-encoding", ""):
         while True:
