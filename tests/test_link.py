@@ -1,8 +1,6 @@
-"""The shaped link (deltastore.testing.link): latency and bandwidth applied per request,
-requests counted where the server sees them, and a publish and sync through it bit-exact.
-
-The request counts asserted here are today's (issue 16 lowers them): a guard against more
-round trips, not the budget."""
+"""The shaped link (deltastore.testing.link): latency and bandwidth applied per request and
+in both directions, requests counted where the server sees them, and a publish and sync
+through it bit-exact (the request budgets themselves: tests/test_round_trips.py)."""
 
 from __future__ import annotations
 
@@ -49,12 +47,17 @@ def test_latency_and_bandwidth_are_applied(link: ShapedLink) -> None:
         t0 = time.monotonic()
         assert store.get("blob") == b"x" * 200_000
         elapsed = time.monotonic() - t0
-    # today s3fs sends a HEAD before the GET (issue 16 removes it)
-    assert [r.method for r in got][-1] == "GET"
-    assert got[-1].target.startswith("/e2e/link-shape/blob")
-    assert all(r.end - r.start >= SLOW.latency_s for r in got)
-    # each request one round trip, then the bytes at the connection's cap
-    assert elapsed >= len(got) * SLOW.latency_s + 0.15
+    assert [r.method for r in got] == ["GET"]  # no HEAD before it
+    assert got[0].target.startswith("/e2e/link-shape/blob")
+    assert got[0].end - got[0].start >= SLOW.latency_s
+    # one round trip, then the bytes at the connection's cap
+    assert elapsed >= SLOW.latency_s + 0.15
+    with link.counting() as up:
+        t0 = time.monotonic()
+        store.put("up", b"y" * 200_000)  # uploads are paced too
+        elapsed = time.monotonic() - t0
+    assert [r.method for r in up] == ["PUT"]
+    assert elapsed >= SLOW.latency_s + 0.15
 
 
 def test_publish_and_sync_through_the_link(link: ShapedLink) -> None:
@@ -74,6 +77,5 @@ def test_publish_and_sync_through_the_link(link: ShapedLink) -> None:
     assert report.applied == (1,)
     assert sub.tensors is not None
     assert torch.equal(sub.tensors["w"].view(torch.int16), w["w"].view(torch.int16))
-    assert 1 <= len(poll) <= 2  # today: HEAD LATEST, LIST after the held version
-    assert any(r.method == "GET" and "Range" not in r.target for r in sync)
-    assert ShapedLink.critical_path(sync) <= 7  # today's count (issue 16's table)
+    assert len(poll) == 1  # a listing after the held version
+    assert ShapedLink.critical_path(sync) <= 3  # list, manifest, frames

@@ -14,11 +14,14 @@ A missing bucket (``NoSuchBucket``) raises :class:`BucketNotFoundError`.
 
 from __future__ import annotations
 
+import builtins
 from functools import partial
 from typing import Any
 
+from fsspec.asyn import sync
+
 from deltastore.errors import PreconditionFailedError, StoreError, VersionExistsError
-from deltastore.store.base import split_options
+from deltastore.store.base import split_options, validate_key
 from deltastore.store.fsspec_store import FsspecStore, RetryPolicy, request_timeouts
 
 _TRANSIENT_CODES = {
@@ -144,14 +147,26 @@ class S3Store(FsspecStore):
                 raise VersionExistsError(f"{path} already exists in store {self.url}") from None
             raise
 
+    def get(self, key: str) -> bytes:
+        """One ``GetObject`` (s3fs's own ``cat_file`` sends a ``HeadObject`` first to decide
+        whether to read in concurrent ranges)."""
+        path = self._path(key)
+        return self._call("get", key, lambda: bytes(self.fs.cat_file(path, max_concurrency=1)))
+
     def _read_with_token(self, path: str) -> tuple[bytes, str]:
-        # HEAD, GET, HEAD: the ETag names the bytes read only if it did not change meanwhile.
-        for _ in range(5):
-            before = self.fs.info(path, refresh=True)["ETag"]
-            data = bytes(self.fs.cat_file(path))
-            if self.fs.info(path, refresh=True)["ETag"] == before:
-                return data, str(before)
-        raise StoreError(f"{path} in store {self.url} keeps changing; try again")
+        """One ``GetObject``: the bytes and the ETag of exactly those bytes come in the same
+        response."""
+        bucket, key, _ = self.fs.split_path(path)
+
+        async def read() -> tuple[bytes, str]:
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+            try:
+                return bytes(await resp["Body"].read()), str(resp["ETag"])
+            finally:
+                resp["Body"].close()
+
+        data, etag = sync(self.fs.loop, read)
+        return bytes(data), str(etag)
 
     def _replace_if(self, path: str, data: bytes, token: str) -> None:
         try:
@@ -163,24 +178,40 @@ class S3Store(FsspecStore):
                 ) from None
             raise
 
-    def list_after(self, prefix: str, start_after: str) -> list[str]:
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        """``ListObjectsV2`` pages (s3fs's ``find`` adds a ``HeadObject`` and a delimited
+        listing to tell a folder from a file)."""
+        keys = self._list_objects(prefix, None)
+        if not keys:  # an empty store, or no bucket at all
+            self._raise_if_bucket_missing(None, probe=True)
+        return keys
+
+    def list_after(self, prefix: str, start_after: str) -> builtins.list[str]:
         """``ListObjectsV2`` with ``StartAfter``: a poll costs one request, not a full listing."""
+        return self._list_objects(prefix, start_after)
+
+    def _list_objects(self, prefix: str, start_after: str | None) -> builtins.list[str]:
+        """Sorted keys under ``prefix`` (after ``start_after``), one request per 1,000 keys."""
+        if prefix:
+            validate_key(prefix.rstrip("/"))
         bucket, _, root = self.root.partition("/")
         base = f"{root}/" if root else ""
-        keys: list[str] = []
+        keys: builtins.list[str] = []
         token: str | None = None
         while True:
-            args: dict[str, Any] = {
-                "Bucket": bucket,
-                "Prefix": base + prefix,
-                "StartAfter": base + start_after,
-            }
+            args: dict[str, Any] = {"Bucket": bucket, "Prefix": base + prefix}
+            if start_after is not None:
+                args["StartAfter"] = base + start_after
             if token:
                 args["ContinuationToken"] = token
             page: dict[str, Any] = self._call(
-                "list", prefix, partial(self.fs.call_s3, "list_objects_v2", **args)
+                "list", prefix or "/", partial(self.fs.call_s3, "list_objects_v2", **args)
             )
             keys += [o["Key"][len(base) :] for o in page.get("Contents", [])]
             token = page.get("NextContinuationToken")
             if not token:
-                return sorted(k for k in keys if not any(s.startswith(".") for s in k.split("/")))
+                return sorted(
+                    k
+                    for k in keys
+                    if k.startswith(prefix) and not any(s.startswith(".") for s in k.split("/"))
+                )

@@ -4,8 +4,10 @@ adds per-request latency, caps bandwidth per connection and in total, and counts
 A test tool (tests and ``deltastore bench --link``), not a general proxy: it forwards plain
 HTTP/1.1 requests with ``Content-Length`` or chunked bodies, one upstream connection per client
 connection, and answers ``Expect: 100-continue`` itself. Every request waits ``latency_s``
-before it is forwarded (one round trip of the modelled link); response bytes are paced by a
-token bucket per connection (``conn_bits_per_s``) and one shared by all (``total_bits_per_s``).
+before it is forwarded (one round trip of the modelled link); then its body and the response's
+are streamed, each direction paced by a token bucket per connection (``conn_bits_per_s``) and
+one shared by all connections (``total_bits_per_s``; a link is full duplex, so uploads and
+downloads each have their own).
 
 Requests are counted where the server sees them (method, path and query, start and end
 times); :meth:`ShapedLink.critical_path` gives the longest chain of requests each of which
@@ -22,6 +24,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+
+from deltastore.store.counting import critical_path
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,8 @@ class ShapedLink:
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shaped-link", daemon=True)
-        self._total = _Bucket(self.profile.total_bits_per_s)
+        self._down = _Bucket(self.profile.total_bits_per_s)  # every connection's responses
+        self._up = _Bucket(self.profile.total_bits_per_s)  # every connection's request bodies
         self.port = 0
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -136,21 +141,17 @@ class ShapedLink:
 
     @staticmethod
     def critical_path(requests: list[Request]) -> int:
-        """The longest chain of requests each starting after the previous one ended."""
-        depth: list[tuple[float, int]] = []  # (end, chain length), by end
-        best = 0
-        for r in sorted(requests, key=lambda r: r.start):
-            before = max((d for end, d in depth if end <= r.start), default=0)
-            depth.append((r.end, before + 1))
-            best = max(best, before + 1)
-        return best
+        """The longest chain of requests each starting after the previous one ended
+        (:func:`deltastore.store.counting.critical_path`)."""
+        return critical_path(requests)
 
     # --- forwarding ---------------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_r: asyncio.StreamReader | None = None
         up_w: asyncio.StreamWriter | None = None
-        conn = _Bucket(self.profile.conn_bits_per_s)
+        down = _Bucket(self.profile.conn_bits_per_s)
+        up = _Bucket(self.profile.conn_bits_per_s)
         try:
             while True:
                 head = await _read_head(reader)
@@ -165,14 +166,18 @@ class ShapedLink:
                     await writer.drain()
                     lines = [ln for ln in lines if not ln.lower().startswith(b"expect:")]
                     head = b"\r\n".join(lines)
-                body = await _read_body(reader, headers)
                 await asyncio.sleep(self.profile.latency_s)
                 if up_w is None:
                     up_r, up_w = await asyncio.open_connection(
                         self.upstream_host, self.upstream_port
                     )
-                assert up_r is not None
-                up_w.write(head + b"\r\n\r\n" + body)
+                if up_r is None:  # pragma: no cover - set together with up_w
+                    return
+                up_w.write(head + b"\r\n\r\n")
+                if "content-length" in headers or "chunked" in headers.get(
+                    "transfer-encoding", ""
+                ):  # a body only with one of these (RFC 9112, 6.3)
+                    await self._relay(_body_chunks(reader, headers), up_w, up, self._up)
                 await up_w.drain()
                 resp_head = await _read_head(up_r)
                 if resp_head is None:
@@ -187,12 +192,7 @@ class ShapedLink:
                     and "chunked" not in rheaders.get("transfer-encoding", "")
                 )
                 if not no_body:
-                    async for chunk in _body_chunks(up_r, rheaders):
-                        writer.write(chunk)
-                        await asyncio.sleep(
-                            max(conn.delay(len(chunk)), self._total.delay(len(chunk)))
-                        )
-                        await writer.drain()
+                    await self._relay(_body_chunks(up_r, rheaders), writer, down, self._down)
                 await writer.drain()
                 with self._lock:
                     self.requests.append(Request(method, target, start, time.monotonic()))
@@ -205,6 +205,16 @@ class ShapedLink:
                 if w is not None:
                     with contextlib.suppress(Exception):
                         w.close()
+
+    @staticmethod
+    async def _relay(
+        chunks: AsyncIterator[bytes], out: asyncio.StreamWriter, conn: _Bucket, total: _Bucket
+    ) -> None:
+        """Write ``chunks`` to ``out``, paced by the connection's and the link's bucket."""
+        async for chunk in chunks:
+            out.write(chunk)
+            await asyncio.sleep(max(conn.delay(len(chunk)), total.delay(len(chunk))))
+            await out.drain()
 
 
 async def _read_head(reader: asyncio.StreamReader) -> bytes | None:
@@ -221,13 +231,6 @@ def _headers(lines: list[bytes]) -> dict[str, str]:
         name, _, value = ln.decode("latin-1").partition(":")
         out[name.strip().lower()] = value.strip()
     return out
-
-
-async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
-    """A request's body: none without ``Content-Length`` or chunked framing."""
-    if "content-length" not in headers and "chunked" not in headers.get("transfer-encoding", ""):
-        return b""
-    return b"".join([c async for c in _body_chunks(reader, headers)])
 
 
 async def _body_chunks(
