@@ -281,7 +281,7 @@ def test_a_manifest_is_checked_before_it_is_used(store: LocalStore, v1: Manifest
 # --- LATEST ------------------------------------------------------------------------------------
 
 
-def test_latest_reads_the_hint_once_per_token_and_lists_after_it(
+def test_latest_reads_the_hint_once_then_polls_with_one_listing(
     store: LocalStore, v1: Manifest
 ) -> None:
     v2 = step(v1, 2)
@@ -290,13 +290,18 @@ def test_latest_reads_the_hint_once_per_token_and_lists_after_it(
     counted = FaultyStore(store)
     reader = ChainReader(counted)
     assert reader.latest() == 2
-    assert names(counted) == ["head_token", "get", "get", "list_after"]  # LATEST, v2
+    assert names(counted) == ["get", "get", "list_after"]  # LATEST, v2, listed after it
+    assert [op.key for op in counted.ops[:2]] == [LATEST_KEY, manifest_key(2)]
     counted.reset()
     assert reader.manifest(2) == v2 and names(counted) == []  # read with the hint: cached
     assert reader.latest() == 2
-    assert names(counted) == ["head_token", "list_after"]  # same token: not read again
+    assert names(counted) == ["list_after"]  # a poll: one listing after the newest seen
     put(store, step(v2, 3))  # committed, LATEST not advanced (it is only a hint)
     assert reader.latest() == 3
+    counted.reset()
+    noted = ChainReader(counted)
+    noted.note(3)  # a reader handed tensors at version 3 lists only after it
+    assert noted.latest() == 3 and names(counted) == ["list_after"]
 
 
 def test_a_hint_that_lies_is_ignored(store: LocalStore, v1: Manifest) -> None:

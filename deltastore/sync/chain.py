@@ -24,12 +24,14 @@ fits a state is :mod:`deltastore.format.chain`'s rule.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from functools import partial
+from typing import Literal, cast
 
 from deltastore.errors import (
     ChainError,
@@ -52,6 +54,7 @@ from deltastore.format.keys import (
 from deltastore.format.manifest import Manifest, parse_latest, parse_manifest
 from deltastore.format.signing import SignatureError, SigningKey, verify_manifest
 from deltastore.store import Store
+from deltastore.store.counting import concurrently
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +114,15 @@ class ChainReader:
     after a publisher race, is dropped by :meth:`forget`). :meth:`latest` remembers the
     newest version seen and the last ``LATEST`` read (by its change token).
 
-    Not thread-safe: one thread uses a reader at a time (each call is a few store requests,
-    in order; nothing runs in the background). Constructing one costs no store request.
+    Requests, and which of them overlap (docs/stores.md, Requests per operation):
+    :meth:`latest` is one listing of the manifest keys after the newest version seen;
+    :meth:`discover` adds the listing of anchor copies in parallel; :meth:`plan` reads the
+    manifests it needs (the listed versions up to the target, and the newest copy) in parallel
+    before it walks, so a plan over k listed versions costs one round trip, not k.
+
+    Not thread-safe: one thread uses a reader at a time (its parallel requests run on threads
+    of its own, for the length of the call; nothing runs in the background). Constructing one
+    costs no store request.
     """
 
     def __init__(self, store: Store, *, keys: Sequence[SigningKey] = (), cache: int = 32) -> None:
@@ -123,8 +133,9 @@ class ChainReader:
         self._size = cache
         self._cache: OrderedDict[int, Manifest] = OrderedDict()
         self._copies: dict[int, Manifest] = {}  # anchor copies read, oldest first
-        self._seen: int | None = None  # newest committed version seen by latest()
-        self._hint: tuple[str | None, int | None] = (None, None)  # LATEST (token, version)
+        self._seen: int | None = None  # newest committed version seen (listed or noted)
+        self._known: set[int] = set()  # committed versions listed (above the first floor)
+        self._floor = -1  # plan(): versions at or below it are not read ahead
 
     # --- listing ------------------------------------------------------------------------
 
@@ -161,7 +172,9 @@ class ChainReader:
             raise ManifestNotFoundError(
                 f"version {version} has no anchor copy in store {self.store.url}"
             ) from None
-        m = self._parse_copy(version, data)
+        return self._keep_copy(version, self._parse_copy(version, data))
+
+    def _keep_copy(self, version: int, m: Manifest) -> Manifest:
         self._copies[version] = m
         while len(self._copies) > self._size:
             self._copies.pop(next(iter(self._copies)))
@@ -182,29 +195,48 @@ class ChainReader:
         read), or None when it has none: what a publisher's head check needs."""
         return max(self.versions(), default=None)
 
+    def note(self, version: int) -> None:
+        """Take ``version`` as committed (e.g. the version a receiver was handed tensors
+        at): :meth:`latest` then lists only after it."""
+        self._seen = max(version, self._seen if self._seen is not None else version)
+
     def latest(self) -> int | None:
         """Newest committed version, or None when the store has none.
 
-        A poll is cheap: a HEAD of ``LATEST`` (re-read only when its token changed; its
-        manifest must exist with the SHA-256 it names, else the hint is ignored), then a
-        listing of ``manifests/`` after the newest version known, since ``LATEST`` is only a
-        hint and a committed manifest may be newer than it.
+        A poll is one request: a listing of the manifest keys after the newest version seen
+        (committed manifests, not ``LATEST``, decide). A reader that has seen none reads
+        ``LATEST`` first, as a hint (its manifest must exist with the SHA-256 it names,
+        else it is ignored), and lists after it instead of listing every manifest.
         """
-        floor = max((v for v in (self._latest_hint(), self._seen) if v is not None), default=None)
-        self._seen = max(self.versions_after(floor), default=floor)
+        floor = self._latest_hint() if self._seen is None else self._seen
+        listed = self.versions_after(floor)
+        self._known.update(listed)
+        if len(self._known) > 4 * max(self._size, 1024):  # a reader that never plans
+            self._known = set(sorted(self._known)[-max(self._size, 1024) :])
+        self._seen = max(listed, default=floor)
         return self._seen
 
+    def discover(self, held: int | None) -> tuple[int | None, set[int]]:
+        """For a sync to the newest version: :meth:`latest` and the versions above ``held``
+        (None: all) that have an anchor copy, listed in parallel (one round trip)."""
+        newest, copies = concurrently([self.latest, partial(self._copies_above, held)])
+        return cast("int | None", newest), cast("set[int]", copies)
+
+    def _copies_above(self, held: int | None) -> set[int]:
+        if held is None:
+            return set(self.anchor_versions())
+        keys = self.store.list_after(ANCHOR_PREFIX, anchor_key(held))
+        return {v for k in keys if (v := version_of_anchor_key(k)) is not None}
+
     def _latest_hint(self) -> int | None:
-        """The version ``LATEST`` names, when it is usable; warns once per ``LATEST`` that
-        names another SHA-256 than its manifest's (a possible fork)."""
+        """The version ``LATEST`` names, when it is usable (two requests: ``LATEST`` and
+        the manifest it names, kept in the cache); warns when it names another SHA-256
+        than its manifest's (a possible fork)."""
         try:
-            token = self.store.head_token(LATEST_KEY)
-            if token is None:
-                return None
-            if token == self._hint[0]:
-                return self._hint[1]
             hint = parse_latest(self.store.get(LATEST_KEY))
             body = self.store.get(manifest_key(hint.version))
+        except ObjectNotFoundError:
+            return None
         except DeltastoreError as exc:
             log.info("LATEST hint unusable (%s); listing manifests", exc)
             return None
@@ -216,15 +248,12 @@ class ChainReader:
                 hint.version,
                 self.store.url,
             )
-            self._hint = (token, None)  # warned once for this LATEST
             return None
-        if hint.version not in self._cache:  # read anyway: spare sync() a second GET
-            try:
-                self._remember(hint.version, body)
-            except DeltastoreError as exc:
-                log.warning("LATEST names a damaged manifest (%s); ignored", exc)
-                return None
-        self._hint = (token, hint.version)
+        try:
+            self._remember(hint.version, body)
+        except DeltastoreError as exc:
+            log.warning("LATEST names a damaged manifest (%s); ignored", exc)
+            return None
         return hint.version
 
     # --- manifests ----------------------------------------------------------------------
@@ -336,7 +365,7 @@ class ChainReader:
 
     # --- planning -----------------------------------------------------------------------
 
-    def plan(self, target: int, held: State | None) -> Plan:
+    def plan(self, target: int, held: State | None, *, copies: set[int] | None = None) -> Plan:
         """The cheapest versions to apply to go from the ``held`` state (None: none, start
         from an anchor) to ``target`` (see the module docstring), by stored bytes: the deltas
         from the held version, or the newest anchor on the target's chain (an anchor copy,
@@ -347,7 +376,13 @@ class ChainReader:
         chain, the cache is dropped (the store changed under the reader) and the plan goes
         back to the newest anchor at or below ``target``; likewise when versions between the
         held one and the target were deleted (retention). :class:`ManifestNotFoundError`
-        when ``target`` is not committed."""
+        when ``target`` is not committed.
+
+        ``copies``: the versions with an anchor copy as :meth:`discover` listed them (those
+        above the held version; all of them without one); None: listed here when needed.
+        What the walk will read is read in parallel first (:meth:`_read_ahead`)."""
+        self._floor = -1 if held is None else held.version
+        copies = self._read_ahead(target, held, copies)
         m = self.manifest(target)
         why: str | None = None
         if held is not None and target == held.version:
@@ -358,7 +393,8 @@ class ChainReader:
             self.forget(None)
         if held is not None and m.kind == "delta" and held.fits(m):
             return Plan((m,), None, "deltas", m.payload_bytes)
-        copies = set(self.anchor_versions())
+        if copies is None:
+            copies = set(self.anchor_versions())
         walked: list[Manifest] = []  # from the target down
         copy: tuple[int, Manifest] | None = None  # (index in walked, the newest copy on the chain)
         reached = False  # the walk reached the held version
@@ -414,6 +450,67 @@ class ChainReader:
         walked.reverse()
         return Plan(tuple(walked), why, "deltas" if reached else "anchor", _bytes(walked), via_copy)
 
+    def _read_ahead(
+        self, target: int, held: State | None, copies: set[int] | None
+    ) -> set[int] | None:
+        """Read in parallel, in one round trip, what a plan from ``held`` to ``target`` asks
+        for: the manifests of ``target`` and of the listed versions below it down to the held
+        one (newest first, at most the cache's size, those not cached; a reader without
+        state: down to the newest copy) and, with more than one version to go, the list of
+        anchor copies (when ``copies`` is None) or the newest copy among them. Returns the
+        copies (listed here, or ``copies``). A read that fails is left to the plan, which
+        reads again and reports it."""
+        low = self._floor
+        if held is None and copies:
+            low = max((c for c in copies if c <= target), default=low + 1) - 1
+        span = sorted({target} | {v for v in self._known if low < v <= target})
+        many = len(span) > 1 or held is None
+        extra: Callable[[], object] | None = None
+        copy: int | None = None
+        if many and copies is None:
+            extra = partial(self._copies_above, None if held is None else held.version)
+        elif many and copies:
+            copy = max((c for c in copies if low < c <= target), default=None)
+            if copy is not None and copy not in self._copies:
+                extra = partial(self._read_quietly, anchor_key(copy))
+        got = self._read_manifests(span, extra)
+        if many and copies is None:
+            return got if isinstance(got, set) else None
+        if copy is not None and isinstance(got, bytes):
+            with contextlib.suppress(DeltastoreError):
+                self._keep_copy(copy, self._parse_copy(copy, got))
+        return copies
+
+    def _read_manifests(
+        self, versions: Sequence[int], extra: Callable[[], object] | None = None
+    ) -> object:
+        """Read the manifests of the newest ``versions`` (ascending) that are not cached, at
+        most the cache's size, together with ``extra`` (another request), in parallel; keep
+        those that check out in the cache. Returns what ``extra`` returned. Nothing is read
+        when only one request would be made (the caller reads it when it needs it)."""
+        want = [v for v in reversed(versions) if v not in self._cache][: self._size]
+        reads: list[Callable[[], object]] = [
+            partial(self._read_quietly, manifest_key(v)) for v in want
+        ]
+        if extra is not None:
+            reads.append(extra)
+        if len(reads) < 2:
+            return None
+        got = concurrently(reads)
+        for v, data in zip(reversed(want), reversed(got[: len(want)]), strict=True):
+            if isinstance(data, bytes):  # oldest first: the newest stay longest in the cache
+                with contextlib.suppress(DeltastoreError):
+                    self._remember(v, data)
+        return got[-1] if extra is not None else None
+
+    def _read_quietly(self, key: str) -> bytes | None:
+        """The object ``key``, or None when it cannot be read (a read ahead)."""
+        try:
+            return self.store.get(key)
+        except DeltastoreError as exc:
+            log.debug("read ahead of %s failed (%s)", key, exc)
+            return None
+
     def usable_copy(self, m: Manifest) -> Manifest | None:
         """The anchor copy of ``m``'s version when it holds ``m``'s state, ``m`` being the
         version's committed manifest (None otherwise: absent, damaged, or of another state,
@@ -438,6 +535,8 @@ class ChainReader:
         version, digest = child.parent.version, child.parent.state_digest
         url = self.store.url
         because = f"store {url}: {why}, and" if why else f"store {url}:"
+        if version not in self._cache:  # past the read ahead: the next listed ones at once
+            self._read_manifests(sorted(v for v in self._known if self._floor < v <= version))
         try:
             parent = self.manifest(version)
             if parent.state_digest != digest:  # a cached manifest may be stale: read it again

@@ -1,14 +1,19 @@
 """A reader's lease: ``leases/<reader>.json`` tells retention which versions it still needs.
 
 :class:`LeaseKeeper` writes the lease of one reader (a :class:`~deltastore.Subscriber`, a
-``deltastore pull --watch``): before a sync fetches from a version below the one leased, and
-after each sync, and it renews the lease once half of ``ttl_s`` has passed (on the reader's
-next poll). ``gc --keep`` keeps every version from the oldest unexpired lease's up
+``deltastore pull --watch``): before a sync fetches from a version below the one leased
+(:meth:`LeaseKeeper.hold`: done before the fetch starts), at the version a sync reaches, while
+it fetches that version's frames, and it renews the lease once half of ``ttl_s`` has passed
+(on the reader's next poll or sync); those two moves up run in the background
+(:meth:`LeaseKeeper.hold_soon`), so that their round trip overlaps the reader's own requests
+instead of following them. Writes are made one at a time, in the order asked. ``gc --keep``
+keeps every version from the oldest unexpired lease's up
 (:mod:`deltastore.maintenance.retention`). Leases never affect correctness: a lease that
 cannot be written is logged (once) and the reader goes on; when the store refuses the write
 (no write permission), leasing stops for this keeper.
 
-Not thread-safe: the reader's one syncing thread calls it. Each write is one ``put``.
+Not thread-safe: the reader's one syncing thread calls it (a background write runs on one
+thread of the keeper's own). Each write is one ``put``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import re
 import socket
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from deltastore.errors import DeltastoreError
 from deltastore.format.keys import lease_key
@@ -50,20 +56,48 @@ class LeaseKeeper:
         self._version: int | None = None  # the version leased
         self._renew_at = 0.0  # time.monotonic() after which the lease is rewritten
         self._warned = False
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
 
     @property
     def version(self) -> int | None:
-        """The version the lease now holds (None: none written)."""
+        """The version the lease now holds (None: none written); waits for a background
+        write."""
+        self.wait()
         return self._version
 
     def hold(self, version: int) -> None:
-        """Lease ``version``: write the lease unless it already holds ``version`` and is not
-        due for renewal."""
+        """Lease ``version`` now (written when this returns), unless the lease already holds
+        ``version`` and is not due for renewal."""
+        self.wait()
+        if self._due(version):
+            self._write(version)
+
+    def hold_soon(self, version: int) -> None:
+        """Lease ``version`` in the background (a move up or a renewal: nothing fetched
+        meanwhile depends on it), unless not due; :meth:`wait` waits for the write."""
+        self.wait()
+        if not self._due(version):
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="deltastore-lease")
+        self._pending = self._pool.submit(self._write, version)
+
+    def wait(self) -> None:
+        """Wait for the background write, if one runs (a failure is logged by it)."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def _due(self, version: int) -> bool:
+        return self._ttl is not None and (
+            version != self._version or time.monotonic() >= self._renew_at
+        )
+
+    def _write(self, version: int) -> None:
         if self._ttl is None:
             return
         now = time.monotonic()
-        if version == self._version and now < self._renew_at:
-            return
         try:
             self._store.put(self.key, Lease.new(self.reader, version, self._ttl).to_bytes())
         except (DeltastoreError, PermissionError) as exc:
@@ -78,6 +112,10 @@ class LeaseKeeper:
 
     def release(self) -> None:
         """Remove the lease (best effort): the reader stops following."""
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         if self._version is None:
             return
         try:

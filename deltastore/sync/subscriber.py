@@ -14,6 +14,7 @@ never in between.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -43,6 +44,7 @@ from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys
 from deltastore.layout.boxes import Layout
 from deltastore.progress import ProgressFn
 from deltastore.store import Store, open_store
+from deltastore.store.counting import CountingStore, critical_path
 from deltastore.sync.apply import Hooks, Sums, frame_totals, verify_tensors, write_phase, writes_of
 from deltastore.sync.chain import ChainReader, Plan
 from deltastore.sync.fetch import Fetcher, FrameTask, Timer, frame_tasks
@@ -77,6 +79,9 @@ class SyncReport(SizeRatios):
     ``"deltas"`` from the held version, ``"anchor"`` from the newest anchor (copy) at or below
     the target, ``"none"``; ``path_bytes`` its stored bytes as planned and ``other_bytes``
     those of the path not taken (None: there was none, or it was not priced).
+    ``requests``: the store requests the sync made (this rank's); ``round_trips``: how many
+    of them ran one after the other (:func:`~deltastore.store.counting.critical_path`): what
+    a link's latency is paid for.
     """
 
     version: int
@@ -96,6 +101,8 @@ class SyncReport(SizeRatios):
     path: Literal["none", "deltas", "anchor"] = "none"
     path_bytes: int = 0
     other_bytes: int | None = None
+    requests: int = 0
+    round_trips: int = 0
 
 
 class Subscriber:
@@ -161,6 +168,7 @@ class Subscriber:
         if max_workers < 1 or max_inflight_bytes < 1 or max_frame_bytes < 1:
             raise ValueError("max_workers, max_inflight_bytes and max_frame_bytes must be positive")
         self.store = open_store(url, storage_options)
+        self._io = CountingStore(self.store)  # every request of this subscriber, counted
         self._tensors = tensors
         self._version = version
         self._verified = version is None
@@ -170,14 +178,14 @@ class Subscriber:
         self._owned = tensors is None  # allocated here: reallocated when the table changes
         self._device = torch.device(device)
         self._max_frame_bytes = max_frame_bytes
-        self._frames = Fetcher(self.store, max_workers, max_inflight_bytes)
+        self._frames = Fetcher(self._io, max_workers, max_inflight_bytes)
         self._group = Group(group)
-        self._lease = LeaseKeeper(
-            self.store, reader_id, lease_ttl if self._group.rank == 0 else None
-        )
+        self._lease = LeaseKeeper(self._io, reader_id, lease_ttl if self._group.rank == 0 else None)
         self._hooks = Hooks(pause, resume)
         self._layout = None if layout is None and group is None else LayoutSync(layout, self._group)
-        self._chain = ChainReader(self.store, keys=resolve_keys(signing_key))
+        self._chain = ChainReader(self._io, keys=resolve_keys(signing_key))
+        if version is not None:  # a poll lists only after it
+            self._chain.note(version)
 
     @property
     def tensors(self) -> MutableMapping[str, torch.Tensor] | None:
@@ -207,15 +215,14 @@ class Subscriber:
     def latest(self) -> int | None:
         """Newest committed version, or None when the store has none.
 
-        A poll is cheap: a HEAD of ``LATEST`` (re-read only when its token changed; its
-        manifest must exist with the SHA-256 it names, else the hint is ignored), then a
-        listing of ``manifests/`` after the newest version known, since ``LATEST`` is only a
-        hint and a committed manifest may be newer than it
-        (:meth:`deltastore.sync.chain.ChainReader.latest`). Renews the lease when it is due.
+        A poll is one request: a listing of the manifest keys after the newest version
+        known (:meth:`deltastore.sync.chain.ChainReader.latest`; a subscriber that knows
+        none reads the ``LATEST`` hint first). Renews the lease when it is due, in the
+        background (a second request, once per half ``lease_ttl``).
         """
         newest = self._chain.latest()
         if self._version is not None:
-            self._lease.hold(self._version)
+            self._lease.hold_soon(self._version)
         return newest
 
     def manifest(self, version: int) -> Manifest:
@@ -261,10 +268,25 @@ class Subscriber:
         bytes; ``on_version`` after each version is applied, with its manifest, before the
         next one starts (e.g. to record the state durably).
         """
+        with self._io.window() as calls:
+            report = self._sync(version, progress, on_version)
+        return dataclasses.replace(report, requests=len(calls), round_trips=critical_path(calls))
+
+    def _sync(
+        self,
+        version: int | None,
+        progress: ProgressFn | None,
+        on_version: Callable[[Manifest], None] | None,
+    ) -> SyncReport:
         t_start = time.perf_counter()
         if not self._verified:
             self.verify()
-        target = self.latest() if version is None and self._group.rank == 0 else version
+        if self._version is not None:  # the held version leased (or renewed) while planning
+            self._lease.hold_soon(self._version)
+        copies: set[int] | None = None
+        target = version
+        if version is None and self._group.rank == 0:  # the newest, and the copies above
+            target, copies = self._chain.discover(self._version)
         if self._group.world > 1:  # every rank goes to rank 0's target
             target = self._group.broadcast_int(-1 if target is None else target)
             target = None if target < 0 else target
@@ -275,7 +297,7 @@ class Subscriber:
             raise ChainError(
                 f"the tensors are at version {start}, newer than the requested {target}"
             )
-        plan = self._plan(target)
+        plan = self._plan(target, copies)
         timer = Timer(
             progress,
             sum(len(t.frames) for m in plan.steps for t in m.tensors.values()),
@@ -283,35 +305,44 @@ class Subscriber:
         )
         applied: list[Manifest] = []
         verify_s = pause_s = 0.0
-        for attempt in range(2):
-            self._check_tables(list(plan.steps))
-            base = plan.steps[0].version if plan.path == "anchor" else self._version
-            leased = self._lease.version
-            if base is not None:  # before fetching: the versions from base up are needed
-                self._lease.hold(base if leased is None else min(base, leased))
-            try:
-                for m in plan.steps:
-                    v_s, p_s = self._apply(m, timer)
-                    verify_s, pause_s = verify_s + v_s, pause_s + p_s
-                    applied.append(m)
-                    if on_version is not None:
-                        on_version(m)
-                break
-            except ObjectNotFoundError as exc:
-                if attempt or self._group.world > 1 or isinstance(exc, ManifestNotFoundError):
-                    raise
-                # a planned version's data is gone (retention): plan again from here
-                log.warning(
-                    "store %s: %s; planning again from version %s",
-                    self.store.url,
-                    exc,
-                    self._version,
-                )
-                self._chain.forget(None)
-                plan = self._plan(target)
+        try:
+            for attempt in range(2):
+                self._check_tables(list(plan.steps))
+                base = plan.steps[0].version if plan.path == "anchor" else self._version
+                leased = self._lease.version
+                if base is not None and (leased is None or base < leased):
+                    self._lease.hold(base)  # before fetching: the versions from base up
+                try:
+                    for m in plan.steps:
+                        if m is plan.steps[-1]:  # the lease moves up while its frames come
+                            self._lease.hold_soon(m.version)
+                        v_s, p_s = self._apply(m, timer)
+                        verify_s, pause_s = verify_s + v_s, pause_s + p_s
+                        applied.append(m)
+                        if on_version is not None:
+                            on_version(m)
+                    break
+                except ObjectNotFoundError as exc:
+                    if attempt or self._group.world > 1 or isinstance(exc, ManifestNotFoundError):
+                        raise
+                    # a planned version's data is gone (retention): plan again from here
+                    log.warning(
+                        "store %s: %s; planning again from version %s",
+                        self.store.url,
+                        exc,
+                        self._version,
+                    )
+                    self._chain.forget(None)
+                    plan = self._plan(target)
+        except BaseException:
+            if self._version is not None:  # the lease back to what the tensors hold
+                self._lease.hold(self._version)
+            raise
         steps = applied
-        if self._version is not None:
-            self._lease.hold(self._version)
+        if steps:
+            self._lease.wait()  # written at the version reached
+        elif self._version is not None:
+            self._lease.hold_soon(self._version)  # renewed, when due
         kind: Literal["anchor", "delta", "none"] = (
             "none" if not steps else "anchor" if any(m.kind == "anchor" for m in steps) else "delta"
         )
@@ -336,14 +367,15 @@ class Subscriber:
             other_bytes=plan.other_bytes,
         )
 
-    def _plan(self, target: int) -> Plan:
-        """Versions to apply, oldest first (see :meth:`deltastore.sync.chain.ChainReader.plan`)."""
+    def _plan(self, target: int, copies: set[int] | None = None) -> Plan:
+        """Versions to apply, oldest first (see :meth:`deltastore.sync.chain.ChainReader.plan`);
+        ``copies``: the anchor copies as :meth:`ChainReader.discover` listed them."""
         held = (
             None
             if self._version is None or self._digest is None
             else State(self._version, self._digest, self._adler)
         )
-        plan = self._chain.plan(target, held)
+        plan = self._chain.plan(target, held, copies=copies)
         if plan.why is not None:
             log.warning(
                 "store %s: %s; recovering from anchor %d, the newest at or below %d",
