@@ -317,8 +317,8 @@ def test_unsafe_commit_read_back_detects_another_publishers_manifest(
 
     advance = publisher_module.advance_latest
 
-    def late(target: Any, version: int, body: bytes) -> None:
-        advance(target, version, body)
+    def late(target: Any, version: int, body: bytes, **kwargs: Any) -> None:
+        advance(target, version, body, **kwargs)
         store.put(manifest_key(version), body.replace(pub.token.encode(), b"f" * 32))
 
     monkeypatch.setattr(publisher_module, "advance_latest", late)

@@ -156,7 +156,7 @@ def test_poll_finds_a_version_committed_without_latest(
     pub.publish(states[0], version=1)
     assert sub.latest() == 1
     monkeypatch.setattr(  # the publisher died between its commit and LATEST
-        deltastore.publish.publisher, "advance_latest", lambda store, version, body: None
+        deltastore.publish.publisher, "advance_latest", lambda store, version, body, **_: None
     )
     pub.publish(states[1], version=2)
     assert parse_latest(store.get(LATEST_KEY)).version == 1

@@ -4,6 +4,7 @@ advancing ``LATEST``. Functions are stateless; each store call is one request.""
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import logging
 from datetime import datetime, timezone
@@ -272,9 +273,34 @@ def check_head(store: Store, version: int, parent: Parent | None) -> None:
         )
 
 
-def advance_latest(store: Store, version: int, body: bytes) -> None:
+class Unread(enum.Enum):
+    """``LATEST`` was not read ahead (:func:`read_latest` failed, or nobody asked)."""
+
+    UNREAD = 0
+
+
+def read_latest(store: Store) -> tuple[bytes, str] | Unread | None:
+    """``LATEST`` and its change token (None: there is none), read before the commit in
+    parallel with :func:`check_head`, so that :func:`advance_latest` after the commit is one
+    request; :attr:`Unread.UNREAD` when it cannot be read (advance_latest reads it again)."""
+    try:
+        return store.get_with_token(LATEST_KEY)
+    except DeltastoreError as exc:
+        log.debug("LATEST not read ahead (%s)", exc)
+        return Unread.UNREAD
+
+
+def advance_latest(
+    store: Store,
+    version: int,
+    body: bytes,
+    *,
+    current: tuple[bytes, str] | Unread | None = Unread.UNREAD,
+) -> None:
     """Move ``LATEST`` forward with compare-and-swap; never backwards. Best effort: the
-    manifest is already committed and readers can always list ``manifests/``."""
+    manifest is already committed and readers can always list ``manifests/``. ``current``:
+    ``LATEST`` and its token as :func:`read_latest` read them (then the swap is one request
+    when nobody moved it meanwhile)."""
     latest = Latest(
         format_version=1,
         version=version,
@@ -283,7 +309,8 @@ def advance_latest(store: Store, version: int, body: bytes) -> None:
     )
     for _ in range(8):
         try:
-            current = store.get_with_token(LATEST_KEY)
+            if isinstance(current, Unread):
+                current = store.get_with_token(LATEST_KEY)
             if current is not None:
                 try:
                     if parse_latest(current[0]).version >= version:
@@ -296,10 +323,12 @@ def advance_latest(store: Store, version: int, body: bytes) -> None:
             return
         except DeltastoreError as exc:
             log.debug("LATEST update retry after %s", exc)
+            current = Unread.UNREAD
     log.warning("version %d is committed but LATEST could not be advanced", version)
 
 
 __all__ = [
+    "Unread",
     "advance_latest",
     "build_manifest",
     "chain_costs",
@@ -309,6 +338,7 @@ __all__ = [
     "conditional_writes",
     "confirm_commit",
     "head_version",
+    "read_latest",
     "stored_bytes",
     "write_anchor_copy",
 ]

@@ -11,15 +11,17 @@ version is committed, so a failed publish leaves the publisher at the previous v
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import re
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from functools import partial
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -33,7 +35,7 @@ from deltastore.errors import (
 )
 from deltastore.format.checksum import adler32, combine
 from deltastore.format.codecs import CODEC_SETS, CodecSet
-from deltastore.format.keys import data_prefix, manifest_key
+from deltastore.format.keys import DATA_PREFIX, data_prefix, manifest_key
 from deltastore.format.manifest import (
     MAX_DIMS,
     MAX_ELEMENTS,
@@ -56,6 +58,7 @@ from deltastore.publish.commit import (
     conditional_writes,
     confirm_commit,
     head_version,
+    read_latest,
     stored_bytes,
     write_anchor_copy,
 )
@@ -70,7 +73,9 @@ from deltastore.publish.snapshot import (
     WriterState,
     row_range,
 )
+from deltastore.publish.upload import PackWriter, Uploads
 from deltastore.store import Store, open_store
+from deltastore.store.counting import CountingStore, concurrently, critical_path
 from deltastore.sync.chain import ChainReader
 from deltastore.tensors.dtypes import dtype_name, np_words
 from deltastore.tensors.tables import check_table, raise_if_mismatched
@@ -106,6 +111,12 @@ class PublishReport(SizeRatios):
     #: Stored bytes of the version's anchor copy (``anchors/``), written beside its delta;
     #: None when none was written (an anchor version's own size is ``payload_bytes``).
     anchor_copy_bytes: int | None = None
+    #: Store requests the publish made, how many of them ran one after the other
+    #: (:func:`~deltastore.store.counting.critical_path`), and how many of those came after
+    #: the last data object was stored (the head check, the commit, ``LATEST``).
+    requests: int = 0
+    round_trips: int = 0
+    commit_round_trips: int = 0
 
 
 @dataclass
@@ -146,38 +157,6 @@ def _utf8(name: str) -> bool:
     return True
 
 
-class _PackWriter:
-    """Concatenates encoded frames into data objects of about ``max_bytes`` and uploads them."""
-
-    def __init__(self, store: Store, prefix: str, max_bytes: int, pending: Pending) -> None:
-        self._store, self._prefix, self._max = store, prefix, max_bytes
-        self._pending = pending
-        self._parts: list[bytes] = []
-        self._size = 0
-        self._seq = 0
-
-    @property
-    def key(self) -> str:
-        return f"{self._prefix}{self._seq:06d}.dsz"
-
-    def add(self, data: bytes) -> tuple[str, int]:
-        """Queue ``data``; return the (object key, offset) it will be stored at."""
-        if self._size and self._size + len(data) > self._max:
-            self.flush()
-        where = (self.key, self._size)
-        self._parts.append(data)
-        self._size += len(data)
-        return where
-
-    def flush(self) -> None:
-        if not self._parts:
-            return
-        t0 = time.perf_counter()
-        self._store.put(self.key, b"".join(self._parts))
-        self._pending.upload_s += time.perf_counter() - t0
-        self._parts, self._size, self._seq = [], 0, self._seq + 1
-
-
 class ChainWriter:
     """What :class:`Publisher` and :class:`~deltastore.publish.ShardWriter` share: options, the
     version held (:class:`WriterState`), change detection and frame encoding."""
@@ -216,6 +195,7 @@ class ChainWriter:
                 f"max_frame_bytes must be in [8, {MAX_FRAME_BYTES}] and max_object_bytes >= 1"
             )
         self.store = open_store(url, storage_options)
+        self._io = CountingStore(self.store)  # every request of this writer, counted
         self.unsafe_commits = unsafe_commits
         self.token = uuid.uuid4().hex
         self._signing = resolve_keys(signing_key)  # signs with the first; attach checks any
@@ -223,7 +203,7 @@ class ChainWriter:
         self._max_object_bytes = max_object_bytes
         self._encoders = FrameEncoders(zstd_level, max_workers, codecs)
         snapshots = DiskSnapshot(state_dir) if state_dir is not None else MemorySnapshot()
-        self._held = WriterState(self.store, snapshots, max_frame_bytes, self._shard)
+        self._held = WriterState(self._io, snapshots, max_frame_bytes, self._shard)
         self._held.resume()
 
     @property
@@ -256,7 +236,7 @@ class ChainWriter:
 
     def _head_manifest(self, version: int | None) -> Manifest:
         """The manifest of the store's newest version, which ``version`` (if given) must be."""
-        head = head_version(self.store)
+        head = head_version(self._io)
         if head is None:
             raise ChainError(
                 f"store {self.store.url} holds no version to attach to; publish an anchor"
@@ -269,7 +249,7 @@ class ChainWriter:
             )
         key = manifest_key(version)
         try:
-            manifest = parse_manifest(self.store.get(key), key=key)
+            manifest = parse_manifest(self._io.get(key), key=key)
         except ObjectNotFoundError:
             raise ManifestNotFoundError(
                 f"version {version} is not committed in store {self.store.url}"
@@ -287,9 +267,9 @@ class ChainWriter:
         # the head from this publisher's own state: one listing after it, which does not
         # grow with the run (a full listing of manifests/ only before the first publish)
         head = (
-            head_version(self.store)
+            head_version(self._io)
             if held is None
-            else max(ChainReader(self.store).versions_after(held), default=held)
+            else max(ChainReader(self._io).versions_after(held), default=held)
         )
         if head is not None and version <= head:
             raise VersionOrderError(
@@ -329,8 +309,31 @@ class ChainWriter:
         """
         pending = Pending(rows=dict(rows or {}), copy_entries={} if full else None)
         prefix = f"{data_prefix(version)}{self.token[:12]}-"
-        packs = _PackWriter(self.store, prefix, self._max_object_bytes, pending)
-        copy_packs = _PackWriter(self.store, f"{prefix}anchor-", self._max_object_bytes, pending)
+        uploads = Uploads(self._io, pending)
+        packs = PackWriter(uploads, prefix, self._max_object_bytes)
+        copy_packs = PackWriter(uploads, f"{prefix}anchor-", self._max_object_bytes)
+        try:
+            self._pack(host, specs, parent_state, kind, progress, rows, pending, packs, copy_packs)
+        except BaseException:
+            uploads.abort()
+            raise
+        uploads.finish()
+        return pending
+
+    def _pack(
+        self,
+        host: Mapping[str, np.ndarray],
+        specs: Mapping[str, tuple[str, list[int]]],
+        parent_state: Mapping[str, TensorState] | None,
+        kind: str,
+        progress: ProgressFn | None,
+        rows: Mapping[str, tuple[int, int]] | None,
+        pending: Pending,
+        packs: PackWriter,
+        copy_packs: PackWriter,
+    ) -> None:
+        """The body of :meth:`_encode`: encode on the encoder threads, pack in order."""
+        full = pending.copy_entries is not None
         grids = {n: self._frames_of(w.size, w.dtype.itemsize) for n, w in host.items()}
         ticker = Ticker(
             progress, sum(len(g) for g in grids.values()), sum(w.nbytes for w in host.values())
@@ -421,7 +424,6 @@ class ChainWriter:
                 )
         packs.flush()
         copy_packs.flush()
-        return pending
 
     def _report(
         self,
@@ -516,7 +518,7 @@ class Publisher(ChainWriter):
         disk snapshot) reads it from the store first: the manifests from its version back
         to the newest anchor copy or anchor (once)."""
         if self._costs.anchor is None and self._held.version is not None:
-            self._costs = chain_costs(ChainReader(self.store), self._held.version)
+            self._costs = chain_costs(ChainReader(self._io), self._held.version)
         return self._costs.reason(self._policy, self._costs.last_delta)
 
     def attach(self, tensors: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
@@ -558,10 +560,30 @@ class Publisher(ChainWriter):
         preconditions, without ``unsafe_commits``; :class:`ForkError` when, with it, the
         committed manifest read back is another publisher's.
         """
+        with self._io.window() as calls:
+            report = self._publish(tensors, version, anchor, progress)
+        data_end = max(
+            (c.end for c in calls if c.op == "put" and c.key.startswith(DATA_PREFIX)),
+            default=0.0,
+        )
+        return dataclasses.replace(
+            report,
+            requests=len(calls),
+            round_trips=critical_path(calls),
+            commit_round_trips=critical_path(c for c in calls if c.start >= data_end),
+        )
+
+    def _publish(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        version: int,
+        anchor: bool | None,
+        progress: ProgressFn | None,
+    ) -> PublishReport:
         t_start = time.perf_counter()
         self._check_version(version, anchor=bool(anchor))
         # before any upload: refuse unsafe commits unless accepted
-        enforced = conditional_writes(self.store, unsafe_commits=self.unsafe_commits)
+        enforced = conditional_writes(self._io, unsafe_commits=self.unsafe_commits)
         table = {n: table_entry(n, t.dtype, t.shape) for n, t in tensors.items()}
         state = self._held.tensors
         same_table = state is not None and table == {
@@ -588,10 +610,13 @@ class Publisher(ChainWriter):
         host = {n: np_words(t.detach().cpu().contiguous()) for n, t in tensors.items()}
         pending = self._encode(version, host, table, parent_state, kind, progress, full=full)
         t0 = time.perf_counter()
-        check_head(self.store, version, parent)  # a zombie publisher stops here
+        # one round trip: the head check (a zombie publisher stops here) and LATEST's token
+        current = concurrently(
+            [partial(check_head, self._io, version, parent), partial(read_latest, self._io)]
+        )[1]
         signing = self._signing[0] if self._signing else None
         manifest, body = commit_manifest(
-            self.store,
+            self._io,
             version=version,
             kind=kind,
             parent=parent,
@@ -600,19 +625,26 @@ class Publisher(ChainWriter):
             signing_key=signing,
         )
         if not enforced:  # nothing stopped a second publisher: read back, before and after
-            confirm_commit(self.store, version, body)
-        copy = None
-        if pending.copy_entries is not None:  # committed: its anchor copy, then LATEST
-            copy = write_anchor_copy(
-                self.store,
-                version=version,
-                entries=pending.copy_entries,
-                token=self.token,
-                signing_key=signing,
+            confirm_commit(self._io, version, body)
+        # committed: its anchor copy and LATEST, in one round trip
+        after: list[Callable[[], object]] = [
+            partial(advance_latest, self._io, version, body, current=current)
+        ]
+        if pending.copy_entries is not None:
+            after.append(
+                partial(
+                    write_anchor_copy,
+                    self._io,
+                    version=version,
+                    entries=pending.copy_entries,
+                    token=self.token,
+                    signing_key=signing,
+                )
             )
-        advance_latest(self.store, version, body)
+        done = concurrently(after)
+        copy = cast("Manifest | None", done[1]) if len(done) > 1 else None
         if not enforced:
-            confirm_commit(self.store, version, body)
+            confirm_commit(self._io, version, body)
         pending.upload_s += time.perf_counter() - t0
         self._adopt(manifest, host, pending, incremental=parent is not None)
         stored = manifest.payload_bytes + len(body)  # what a reader fetches: frames, manifest
