@@ -48,6 +48,15 @@ def bench(
     plot_path: Annotated[
         Path | None, typer.Option("--plot", help="Write a PNG chart (needs matplotlib).")
     ] = None,
+    link: Annotated[
+        str | None,
+        typer.Option(
+            help="Reach the moto store through a shaped link: lan (1 ms, 10 Gbit/s), region "
+            "(20 ms, 2 Gbit/s) or cross-region (60 ms, 1 Gbit/s); latency per request, "
+            "bandwidth per connection and in total.",
+            show_default="loopback",
+        ),
+    ] = None,
     storage_option: StorageOpt = None,
 ) -> None:
     """Benchmark deltastore against dense, COO and xor-dense baselines; print the report."""
@@ -64,6 +73,12 @@ def bench(
     stores = [s.strip() for s in store.split(",") if s.strip()]
     if not stores:
         raise typer.BadParameter("--store names no store")
+    from deltastore.testing.link import LINKS
+
+    if link is not None and link not in LINKS:
+        raise typer.BadParameter(f"choose one of {', '.join(LINKS)}", param_hint="--link")
+    if link is not None and "moto" not in stores:
+        raise typer.BadParameter("the shaped link is in front of moto: add it to --store")
     if plot_path is not None:
         try:
             check_plot()  # before the run, not after it
@@ -80,6 +95,7 @@ def bench(
             warmup=warmup,
             workdir=workdir,
             storage_options=parse_storage_options(storage_option),
+            link=link,
             log=(lambda _: None)
             if quiet
             else (lambda m: err_console.print(Text(m), highlight=False)),

@@ -37,6 +37,14 @@ PUBLISH_BOUND_MAX = 1.5
 SYNC_VS_DENSE_REMOTE_MIN = 20.0
 SYNC_VS_DENSE_LOCAL_MIN = 2.0
 SUBSCRIBER_RSS_MAX = 0.05
+#: Through a shaped link (issue 16): dense sync / deltastore sync, against the strongest
+#: dense (parallel ranged GETs through the same link); sequential round trips of a sync
+#: (deltastore is told the version, as every baseline: the manifest, then its frames; a
+#: follower that finds it by polling pays the poll too); requests of a poll that finds
+#: nothing new.
+SYNC_VS_DENSE_LINK_MIN = 30.0
+SYNC_ROUND_TRIPS_MAX = 3
+POLL_REQUESTS_MAX = 1
 #: Kept from issue 6 (issue 13 bounds the pause by the scatter floor instead).
 PAUSE_FRACTION_MAX = 0.20
 SCALING_MAX = 1.3
@@ -48,11 +56,16 @@ ANCHOR_FRACTION_MAX = 0.70
 
 
 def _median_model(cls: type[M], items: Sequence[M]) -> M:
-    """A model whose every field is the median of that field over ``items``."""
-    values = {}
-    for name, info in cls.model_fields.items():
-        med = statistics.median(getattr(x, name) for x in items)
-        values[name] = round(med) if info.annotation in (int, "int") else med
+    """A model whose every field is the median of that field over ``items`` (integers
+    rounded; None when any item has none)."""
+    values: dict[str, object] = {}
+    for name in cls.model_fields:
+        got = [getattr(x, name) for x in items]
+        if any(v is None for v in got):
+            values[name] = None
+            continue
+        med = statistics.median(got)
+        values[name] = round(med) if all(isinstance(v, int) for v in got) else med
     return cls(**values)
 
 
@@ -127,8 +140,9 @@ def ratios(ours: Medians, baseline: Medians) -> Ratios:
 
 
 def is_local(store: str) -> bool:
-    """Whether a store label names a local folder (the page-cache case of the sync bar)."""
-    if store in ("local", "moto"):
+    """Whether a store label names a local folder (the page-cache case of the sync bar);
+    ``moto`` and ``moto+<link>`` (moto behind a shaped link) are object stores."""
+    if store == "local" or store == "moto" or store.startswith("moto+"):
         return store == "local"
     return "://" not in store or store.startswith("file://")
 
@@ -231,14 +245,41 @@ def _store_checks(s: StoreResult) -> list[BarCheck]:
     ]
     if "dense" in s.ratios:
         dense = s.systems["dense"]
+        over = f" over the {s.link.name} link" if s.link else ""
         out.append(
             _check(
-                "sync faster than dense",
+                "sync faster than dense over the link" if s.link else "sync faster than dense",
                 s.store,
                 s.ratios["dense"].sync,
                 ">=",
-                SYNC_VS_DENSE_LOCAL_MIN if local else SYNC_VS_DENSE_REMOTE_MIN,
-                f"strongest dense ({dense.method}) / deltastore sync (medians)",
+                SYNC_VS_DENSE_LINK_MIN
+                if s.link
+                else SYNC_VS_DENSE_LOCAL_MIN
+                if local
+                else SYNC_VS_DENSE_REMOTE_MIN,
+                f"strongest dense ({dense.method}) / deltastore sync (medians){over}",
+            )
+        )
+    if not local:
+        ds = s.systems["deltastore"]
+        out.append(
+            _check(
+                "sync round trips",
+                s.store,
+                ds.median.sync.round_trips,
+                "<=",
+                SYNC_ROUND_TRIPS_MAX,
+                "deltastore's median sequential store requests per sync of one delta",
+            )
+        )
+        out.append(
+            _check(
+                "poll requests",
+                s.store,
+                ds.poll_requests,
+                "<=",
+                POLL_REQUESTS_MAX,
+                "store requests of deltastore's poll that finds nothing new",
             )
         )
     fl = s.floors

@@ -238,9 +238,61 @@ def _floors_table(s: StoreResult) -> list[str]:
     )
 
 
+def _requests_table(s: StoreResult) -> list[str]:
+    """Store requests per operation (medians) and how many ran one after the other."""
+    rows = []
+    for name, r in s.systems.items():
+        y, p = r.median.sync, r.median.publish
+        if y.requests is None:
+            continue
+        rows.append(
+            [
+                name,
+                f"{y.requests} / {y.round_trips}",
+                "-" if p.requests is None else f"{p.requests} / {p.round_trips}",
+                "-" if p.commit_round_trips is None else str(p.commit_round_trips),
+                "-" if r.poll_requests is None else f"{r.poll_requests} / {r.poll_round_trips}",
+            ]
+        )
+    if not rows:
+        return []
+    head = ["system", "sync: requests / round trips", "publish", "after the data", "poll"]
+    return _table(head, rows)
+
+
+def _link_line(s: StoreResult) -> list[str]:
+    """The shaped link and the floors it sets, beside the measured medians."""
+    if s.link is None:
+        return []
+    k = s.link
+    dense, ds = s.systems.get("dense"), s.systems.get("deltastore")
+    parts = [
+        f"Through the shaped link `{k.name}`: {k.latency_s * 1e3:g} ms per request, "
+        f"{k.conn_bits_per_s / 1e9:g} Gbit/s per connection and {k.total_bits_per_s / 1e9:g} "
+        "Gbit/s in total, each way."
+    ]
+    if dense is not None:
+        t = dense.median.sync.total_s
+        parts.append(
+            f"Its floor for dense (one request, the model's bytes): {k.dense_floor_s:.2f} s; "
+            f"dense took {t:.2f} s ({t / k.dense_floor_s:.2f}x its floor)."
+        )
+    if ds is not None and k.deltastore_floor_s is not None:
+        t = ds.median.sync.total_s
+        parts.append(
+            "Its floor for deltastore (two requests one after the other, the payload): "
+            f"{k.deltastore_floor_s:.3f} s; deltastore took {t:.3f} s "
+            f"({t / k.deltastore_floor_s:.2f}x its floor, the receiver's own work included)."
+        )
+    return [" ".join(parts), ""]
+
+
 def _store_section(s: StoreResult) -> list[str]:
-    out = [f"### Store: {s.store}", "", *_systems_table(s), ""]
+    out = [f"### Store: {s.store}", "", *_link_line(s), *_systems_table(s), ""]
     out += [*_methods_table(s), ""]
+    requests = _requests_table(s)
+    if requests:
+        out += [*requests, ""]
     dense = s.systems.get("dense")
     if dense is not None:
         out += [

@@ -40,6 +40,7 @@ from deltastore.bench.schema import (
     SYSTEMS,
     BenchResult,
     FloorSample,
+    LinkInfo,
     Machine,
     Medians,
     ScalingResult,
@@ -51,6 +52,7 @@ from deltastore.bench.schema import (
 from deltastore.bench.worker import PublishRun, SyncRun, Task, spawn
 from deltastore.bench.workload import SIZES, Workload, WorkloadSpec
 from deltastore.store import open_store
+from deltastore.testing.link import LINKS, LinkProfile, ShapedLink
 
 Log = Callable[[str], None]
 _BUCKET = "deltastore-bench"
@@ -78,6 +80,8 @@ class BenchOptions:
     #: Changed elements of the scaling versions, as a share of the small model (0: skip).
     scaling_fraction: float = 0.005
     scaling_versions: int = 3
+    #: A shaped link (:data:`deltastore.testing.link.LINKS`) in front of the moto store.
+    link: str | None = None
     log: Log = field(default=_stderr, repr=False)
 
     def spec(self, size: str | None = None) -> WorkloadSpec:
@@ -99,13 +103,14 @@ class BenchStore:
     label: str
     root: str
     storage_options: dict[str, Any] | None
+    link: LinkProfile | None = None
 
     def url(self, system: str) -> str:
         return f"{self.root.rstrip('/')}/{system}"
 
 
 @contextmanager
-def _moto(run_id: str) -> Iterator[BenchStore]:
+def _moto(run_id: str, link: LinkProfile | None = None) -> Iterator[BenchStore]:
     try:
         import boto3  # type: ignore[import-untyped, unused-ignore]
         import s3fs  # noqa: F401
@@ -129,6 +134,10 @@ def _moto(run_id: str) -> Iterator[BenchStore]:
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **creds).create_bucket(
             Bucket=_BUCKET
         )
+        shaped = ShapedLink(port, link) if link is not None else None
+        if shaped is not None:  # every system's requests go through it
+            shaped.__enter__()
+            endpoint = shaped.endpoint
         options = {
             "key": "testing",
             "secret": "testing",
@@ -140,16 +149,25 @@ def _moto(run_id: str) -> Iterator[BenchStore]:
             # completing a 2 GB multipart upload takes moto longer than botocore's 60 s.
             "config_kwargs": {"read_timeout": 900},
         }
-        yield BenchStore("moto", f"s3://{_BUCKET}/{run_id}", options)
+        label = "moto" if link is None else f"moto+{link.name}"
+        try:
+            yield BenchStore(label, f"s3://{_BUCKET}/{run_id}", options, link)
+        finally:
+            if shaped is not None:
+                shaped.__exit__(None, None, None)
     finally:
         server.stop()
 
 
 @contextmanager
 def open_bench_store(
-    name: str, run_id: str, storage_options: dict[str, Any] | None = None
+    name: str,
+    run_id: str,
+    storage_options: dict[str, Any] | None = None,
+    link: LinkProfile | None = None,
 ) -> Iterator[BenchStore]:
-    """The store ``name`` for one run; temporary folders and servers go away afterwards."""
+    """The store ``name`` for one run; temporary folders and servers go away afterwards.
+    ``link``: the shaped link in front of the moto store."""
     if name == "local":
         root = tempfile.mkdtemp(prefix="deltastore-bench-")
         try:
@@ -157,7 +175,7 @@ def open_bench_store(
         finally:
             shutil.rmtree(root, ignore_errors=True)
     elif name == "moto":
-        with _moto(run_id) as store:
+        with _moto(run_id, link) as store:
             yield store
     else:
         yield BenchStore(name, f"{name.rstrip('/')}/{run_id}", storage_options)
@@ -251,6 +269,8 @@ def _system_result(system: str, pub: PublishRun, sub: SyncRun, dense_bytes: int)
         publish_method=pub.method,
         method=method,
         methods=methods,
+        poll_requests=sub.poll_requests,
+        poll_round_trips=sub.poll_round_trips,
     )
 
 
@@ -291,6 +311,19 @@ def run_store(
             side = _scaling_side(wl, sub)
     bound_med = float(np.median(bound)) if bound else None
     ds = meds.get("deltastore")
+    link = None
+    if store.link is not None:
+        p = store.link
+        link = LinkInfo(
+            name=p.name,
+            latency_s=p.latency_s,
+            conn_bits_per_s=p.conn_bits_per_s,
+            total_bits_per_s=p.total_bits_per_s,
+            dense_floor_s=p.latency_s + 8 * wl.dense_bytes / p.total_bits_per_s,
+            deltastore_floor_s=2 * p.latency_s + 8 * ds.publish.payload_bytes / p.total_bits_per_s
+            if ds
+            else None,
+        )
     result = StoreResult(
         store=store.label,
         systems=results,
@@ -302,6 +335,7 @@ def run_store(
         floors=floors(floor_samples, ds.sync if ds else None),
         anchor_bytes=anchor,
         anchor_fraction=anchor / wl.dense_bytes if anchor is not None else None,
+        link=link,
     )
     return result, side
 
@@ -335,6 +369,9 @@ def run_bench(options: BenchOptions) -> BenchResult:
     if unknown:
         raise ValueError(f"unknown systems {sorted(unknown)}; choose from {list(SYSTEMS)}")
     systems = [s for s in SYSTEMS if s in options.systems]
+    link = LINKS[options.link] if options.link is not None else None
+    if link is not None and "moto" not in options.stores:
+        raise ValueError("the shaped link is in front of the moto store: add moto to the stores")
     wl, generated = Workload.ensure(options.spec(), options.workdir, log)
     changed = ", ".join(f"{100 * wl.changed_fraction(i):.3f}%" for i in range(1, wl.files))
     log(
@@ -351,7 +388,7 @@ def run_bench(options: BenchOptions) -> BenchResult:
         want = scaling is None and flips > 0 and "deltastore" in systems
         extra = Scaling(flips, options.scaling_versions) if want else None
         try:
-            with open_bench_store(name, run_id, options.storage_options) as store:
+            with open_bench_store(name, run_id, options.storage_options, link) as store:
                 log(f"store {store.label}: {store.root}")
                 result, target = run_store(store, wl, systems, log, extra)
                 stores.append(result)

@@ -10,6 +10,11 @@ Version 2 (issue 13): ``dense`` is the strongest dense load (the fastest of the 
 receiver times, :class:`MethodResult`), the old whole-object load is ``dense-naive`` (reported,
 never in a ratio); :class:`StoreResult` gains the receiver floors and the anchor's size.
 Version 1 documents cannot be read by this model.
+
+Added in version 2 without a change of meaning (issue 16): request counts (``requests``,
+``round_trips``: the store requests of a publish or sync and how many of them ran one after
+the other; deltastore's ``commit_round_trips`` after its data objects; deltastore's poll),
+and the shaped link a store was reached through (:class:`LinkInfo`), with the floors it sets.
 """
 
 from __future__ import annotations
@@ -33,13 +38,18 @@ class _Model(BaseModel):
 
 
 class PublishTimes(_Model):
-    """One publish: stored bytes and where the time went (``total_s``: the whole call)."""
+    """One publish: stored bytes and where the time went (``total_s``: the whole call).
+    deltastore's also: its store requests, how many ran one after the other, and how many of
+    those came after its data objects were stored (None for the baselines)."""
 
     payload_bytes: int
     detect_s: float
     encode_s: float
     upload_s: float
     total_s: float
+    requests: int | None = None
+    round_trips: int | None = None
+    commit_round_trips: int | None = None
 
 
 class SyncTimes(_Model):
@@ -54,6 +64,11 @@ class SyncTimes(_Model):
     apply_s: float
     pause_s: float
     total_s: float
+    #: Store requests of the sync, counted by the worker for every system
+    #: (:class:`~deltastore.store.counting.CountingStore`), and how many ran one after the
+    #: other (:func:`~deltastore.store.counting.critical_path`).
+    requests: int | None = None
+    round_trips: int | None = None
 
 
 class PublishSample(_Model):
@@ -127,6 +142,10 @@ class SystemResult(_Model):
     publish_method: str
     method: str
     methods: dict[str, MethodResult]
+    #: deltastore: the requests of one poll that finds nothing new, after all its syncs, and
+    #: how many ran one after the other (None for the baselines).
+    poll_requests: int | None = None
+    poll_round_trips: int | None = None
 
 
 class Ratios(_Model):
@@ -173,6 +192,21 @@ class Floors(_Model):
     pause_floor_ratio: float | None
 
 
+class LinkInfo(_Model):
+    """The shaped link (:mod:`deltastore.testing.link`) a store was reached through: latency
+    per request (s), bandwidth per connection and in total (bits/s), each way. The floors
+    are what the link alone costs a sync at the measured medians: ``dense_floor_s`` one
+    request and the model's bytes at the total bandwidth; ``deltastore_floor_s`` two requests
+    one after the other (the manifest, then the frames) and its payload."""
+
+    name: str
+    latency_s: float
+    conn_bits_per_s: float
+    total_bits_per_s: float
+    dense_floor_s: float
+    deltastore_floor_s: float | None
+
+
 class StoreResult(_Model):
     """All systems through one store, plus deltastore's derived numbers there.
 
@@ -194,6 +228,7 @@ class StoreResult(_Model):
     floors: Floors | None
     anchor_bytes: int | None
     anchor_fraction: float | None
+    link: LinkInfo | None = None
 
 
 class ScalingSide(_Model):

@@ -124,6 +124,9 @@ class DeltastoreSender(Sender):
             encode_s=rep.encode_s,
             upload_s=rep.upload_s,
             total_s=total,
+            requests=rep.requests,
+            round_trips=rep.round_trips,
+            commit_round_trips=rep.commit_round_trips,
         )
 
 

@@ -52,6 +52,7 @@ from deltastore.bench.systems import (
 )
 from deltastore.bench.workload import Workload
 from deltastore.store import open_store
+from deltastore.store.counting import CountingStore, critical_path
 
 SENDERS: dict[str, type[Sender]] = {
     "deltastore": DeltastoreSender,
@@ -114,6 +115,8 @@ class SyncRun:
     floors: list[FloorSample] = field(default_factory=list)
     method: str = ""
     methods: tuple[str, ...] = ()
+    poll_requests: int | None = None
+    poll_round_trips: int | None = None
 
 
 def run_publisher(task: Task) -> PublishRun:
@@ -157,7 +160,7 @@ def run_publisher(task: Task) -> PublishRun:
 
 def run_subscriber(task: Task) -> SyncRun:
     wl = Workload.load(task.workload)
-    store = open_store(task.url, task.storage_options)
+    store = CountingStore(open_store(task.url, task.storage_options))
     flat = wl.read(0)
     receiver = RECEIVERS[task.system](store, wl, flat)
     t0 = time.perf_counter()
@@ -171,8 +174,11 @@ def run_subscriber(task: Task) -> SyncRun:
         for method in order:
             if method is not None:
                 flat.fill(0)  # each method loads every word, checked on its own
-            with RssMeter(baseline=baseline) as rss:
+            with RssMeter(baseline=baseline) as rss, store.window() as calls:
                 times = receiver.sync(version, method)
+            times = times.model_copy(
+                update={"requests": len(calls), "round_trips": critical_path(calls)}
+            )
             got = digest([flat])
             out.samples.append(
                 SyncSample(
@@ -184,6 +190,10 @@ def run_subscriber(task: Task) -> SyncRun:
                     method=method,
                 )
             )
+    if isinstance(receiver, DeltastoreReceiver):  # a poll that finds nothing new
+        with store.window() as calls:
+            receiver.sub.latest()
+        out.poll_requests, out.poll_round_trips = len(calls), critical_path(calls)
     for rep, expect in enumerate(task.expect, start=1):
         t0 = time.perf_counter()
         receiver.sync(wl.files - 1 + rep)

@@ -57,15 +57,18 @@ class Request:
 
 
 class _Bucket:
-    """A token bucket in bytes per second (pacing only; no burst beyond 64 KiB)."""
+    """A token bucket in bytes per second: pacing, with a burst of 10 ms of bytes (at least
+    64 KiB) so that a sleep that overshoots by a timer tick is made up, not lost."""
 
     def __init__(self, bits_per_s: float) -> None:
         self.rate = bits_per_s / 8.0
+        self.burst = max(65536.0, self.rate * 0.010) / self.rate  # seconds of credit
         self.next = time.monotonic()
 
     def delay(self, nbytes: int) -> float:
+        """Seconds to wait before the next ``nbytes`` leave (0: send now)."""
         now = time.monotonic()
-        self.next = max(self.next, now - 65536 / self.rate) + nbytes / self.rate
+        self.next = max(self.next, now - self.burst) + nbytes / self.rate
         return max(0.0, self.next - now)
 
 
