@@ -97,6 +97,8 @@ class AzureStore(FsspecStore):
     ``sas_token``, ``credential``...), except deltastore's own ``timeout`` and
     ``unsafe_commits``. The container must exist."""
 
+    consistent_listing = True  # strongly consistent listings
+
     bucket_kind = "container"
 
     def __init__(

@@ -79,6 +79,12 @@ class Store(ABC):
     #: enforced (a local folder; Azure Blob Storage).
     unsafe_commits: bool = False
 
+    #: Whether a listing shows every object created before it started (S3, GCS and Azure
+    #: listings are strongly consistent). False where a listing may lag (a local folder may
+    #: be an NFS mount, whose clients cache directory listings for up to a minute): readers
+    #: then also read ``LATEST`` on every poll, which an NFS client re-reads on open.
+    consistent_listing: bool = False
+
     @abstractmethod
     def get(self, key: str) -> bytes:
         """Whole object; :class:`ObjectNotFoundError` when missing."""

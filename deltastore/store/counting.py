@@ -77,6 +77,7 @@ class CountingStore(Store):
         self.inner = inner
         self.url = inner.url
         self.unsafe_commits = inner.unsafe_commits
+        self.consistent_listing = inner.consistent_listing
         self._lock = threading.Lock()
         self._windows: list[tuple[float, list[StoreCall]]] = []
 

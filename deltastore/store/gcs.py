@@ -57,6 +57,8 @@ class GCSStore(FsspecStore):
     (``project``, ``token``, ``endpoint_url``, ``requester_pays``, ``requests_timeout``...),
     except deltastore's own ``timeout`` and ``unsafe_commits``."""
 
+    consistent_listing = True  # strongly consistent listings
+
     precondition = "ifGenerationMatch"
 
     def __init__(

@@ -78,6 +78,8 @@ class S3Store(FsspecStore):
     (``key``, ``secret``, ``token``, ``profile``, ``endpoint_url``, ``client_kwargs``...),
     except deltastore's own ``timeout`` and ``unsafe_commits``."""
 
+    consistent_listing = True  # strongly consistent listings
+
     def __init__(
         self,
         url: str,
@@ -148,25 +150,27 @@ class S3Store(FsspecStore):
             raise
 
     def get(self, key: str) -> bytes:
-        """One ``GetObject`` (s3fs's own ``cat_file`` sends a ``HeadObject`` first to decide
+        """One ``GetObject`` (s3fs's own ``cat_file`` sends a ``HeadObject`` first, to decide
         whether to read in concurrent ranges)."""
         path = self._path(key)
-        return self._call("get", key, lambda: bytes(self.fs.cat_file(path, max_concurrency=1)))
+        return self._call("get", key, lambda: self._get_object(path)[0])
 
     def _read_with_token(self, path: str) -> tuple[bytes, str]:
         """One ``GetObject``: the bytes and the ETag of exactly those bytes come in the same
         response."""
+        return self._get_object(path)
+
+    def _get_object(self, path: str) -> tuple[bytes, str]:
+        """The object's bytes and ETag from one ``GetObject`` (s3fs translates the service's
+        errors: a missing key is a ``FileNotFoundError``); the body is read on s3fs's loop."""
         bucket, key, _ = self.fs.split_path(path)
-
-        async def read() -> tuple[bytes, str]:
-            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
-            try:
-                return bytes(await resp["Body"].read()), str(resp["ETag"])
-            finally:
-                resp["Body"].close()
-
-        data, etag = sync(self.fs.loop, read)
-        return bytes(data), str(etag)
+        resp = self.fs.call_s3("get_object", Bucket=bucket, Key=key)
+        body = resp["Body"]
+        try:
+            data: bytes = sync(self.fs.loop, body.read)  # one buffer, not copied again
+        finally:
+            body.close()
+        return data, str(resp["ETag"])
 
     def _replace_if(self, path: str, data: bytes, token: str) -> None:
         try:

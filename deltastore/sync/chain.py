@@ -136,6 +136,7 @@ class ChainReader:
         self._seen: int | None = None  # newest committed version seen (listed or noted)
         self._known: set[int] = set()  # committed versions listed (above the first floor)
         self._floor = -1  # plan(): versions at or below it are not read ahead
+        self._hint: tuple[bytes, int | None] = (b"", None)  # LATEST's bytes, the version used
 
     # --- listing ------------------------------------------------------------------------
 
@@ -206,9 +207,14 @@ class ChainReader:
         A poll is one request: a listing of the manifest keys after the newest version seen
         (committed manifests, not ``LATEST``, decide). A reader that has seen none reads
         ``LATEST`` first, as a hint (its manifest must exist with the SHA-256 it names,
-        else it is ignored), and lists after it instead of listing every manifest.
+        else it is ignored), and lists after it instead of listing every manifest. On a
+        store whose listings may lag (:attr:`Store.consistent_listing` False: a local folder,
+        maybe on NFS) every poll reads ``LATEST`` too (its manifest only when it changed).
         """
-        floor = self._latest_hint() if self._seen is None else self._seen
+        floor = self._seen
+        if floor is None or not self.store.consistent_listing:
+            hint = self._latest_hint()
+            floor = max((v for v in (hint, floor) if v is not None), default=None)
         listed = self.versions_after(floor)
         self._known.update(listed)
         if len(self._known) > 4 * max(self._size, 1024):  # a reader that never plans
@@ -233,13 +239,17 @@ class ChainReader:
         the manifest it names, kept in the cache); warns when it names another SHA-256
         than its manifest's (a possible fork)."""
         try:
-            hint = parse_latest(self.store.get(LATEST_KEY))
+            data = self.store.get(LATEST_KEY)
+            if data == self._hint[0]:  # as read last time: checked then
+                return self._hint[1]
+            hint = parse_latest(data)
             body = self.store.get(manifest_key(hint.version))
         except ObjectNotFoundError:
             return None
         except DeltastoreError as exc:
             log.info("LATEST hint unusable (%s); listing manifests", exc)
             return None
+        self._hint = (data, None)  # warned (or kept) once for these bytes
         if hashlib.sha256(body).hexdigest() != hint.sha256:
             log.warning(
                 "possible fork: two publishers may have committed version %d of store %s "
@@ -254,6 +264,7 @@ class ChainReader:
         except DeltastoreError as exc:
             log.warning("LATEST names a damaged manifest (%s); ignored", exc)
             return None
+        self._hint = (data, hint.version)
         return hint.version
 
     # --- manifests ----------------------------------------------------------------------

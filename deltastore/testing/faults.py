@@ -112,6 +112,7 @@ class FaultyStore(Store):
         self.inner = inner
         self.hook = hook
         self.url = inner.url
+        self.consistent_listing = inner.consistent_listing
         self._lock = threading.Lock()
         self._ops: builtins.list[Op] = []
         self._counted = 0
