@@ -183,3 +183,31 @@ def test_a_publish_with_an_anchor_copy_still_takes_three_round_trips_after_the_d
     fresh = Subscriber(chain.url, storage_options=options(link.endpoint), lease_ttl=None)
     assert fresh.sync().path == "anchor"
     assert same(w, fresh.tensors)
+
+
+# --- followers at fleet scale --------------------------------------------------------------
+
+
+def test_poll_schedule_backs_off_while_idle_and_stays_bounded() -> None:
+    from deltastore.sync.poll import PollSchedule
+
+    s = PollSchedule(interval=2.0, max_interval=10.0)
+    waits = []
+    for _ in range(8):
+        s.idle()
+        waits.append(s.wait)
+    assert waits[:3] == [3.0, 4.5, 6.75] and waits[-1] == 10.0  # 1.5x, up to the bound
+    s.found()
+    assert s.wait == 2.0
+    s.failed()
+    s.failed()
+    s.failed()
+    assert s.wait == 10.0  # doubled, bounded
+    delays = [s.delay() for _ in range(200)]
+    assert 8.0 <= min(delays) < max(delays) <= 12.0  # jittered by +-20%
+    fixed = PollSchedule(interval=5.0, max_interval=5.0)
+    fixed.idle()
+    assert fixed.wait == 5.0
+    for bad in ({"interval": 0}, {"interval": 3.0, "max_interval": 2.0}, {"growth": 0.5}):
+        with pytest.raises(ValueError, match="need"):
+            PollSchedule(**bad)  # type: ignore[arg-type]

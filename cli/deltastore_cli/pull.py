@@ -56,8 +56,21 @@ def pull(
         bool, typer.Option("--watch", help="Keep polling and apply each new version.")
     ] = False,
     interval: Annotated[
-        float, typer.Option(min=0.05, help="Seconds between polls with --watch (±20% jitter).")
+        float,
+        typer.Option(
+            min=0.05,
+            help="With --watch: seconds to the next poll after a new version; each poll that "
+            "finds nothing new waits 1.5x longer, up to --max-interval (±20% jitter).",
+        ),
     ] = 5.0,
+    max_interval: Annotated[
+        float,
+        typer.Option(
+            min=0.05,
+            help="With --watch: the longest wait between polls (also after store errors); "
+            "equal to --interval for a fixed rate.",
+        ),
+    ] = 60.0,
     reader_id: Annotated[
         str | None,
         typer.Option(
@@ -93,6 +106,8 @@ def pull(
     if watch:
         if version is not None:
             raise typer.BadParameter("--watch follows the newest version; drop --version")
+        if max_interval < interval:
+            raise typer.BadParameter("must be at least --interval", param_hint="--max-interval")
         stop = threading.Event()  # Ctrl-C / SIGTERM: finish the version in flight, then stop
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         for sig in previous:
@@ -103,6 +118,7 @@ def pull(
                 store,
                 dest,
                 interval=interval,
+                max_interval=max_interval,
                 stop=stop,
                 on_report=lambda r: print_pull(r, json_out),
                 storage_options=options,

@@ -38,7 +38,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import random
 import shutil
 import threading
 import time
@@ -87,6 +86,7 @@ from deltastore.progress import ProgressFn
 from deltastore.publish.publisher import Publisher, PublishReport
 from deltastore.store import open_store
 from deltastore.sync.lease import default_reader_id
+from deltastore.sync.poll import PollSchedule
 from deltastore.sync.subscriber import Subscriber, SyncReport
 from deltastore.tensors.dtypes import np_words
 from deltastore.tensors.tables import table_of_manifest
@@ -560,15 +560,17 @@ def watch_checkpoint(
 ) -> None:
     """Poll the store and pull each new version into ``dest`` until ``stop`` is set.
 
-    Waits ``interval`` seconds (±20% jitter) between polls; transient store errors back off
-    exponentially up to ``max_interval``. Other errors propagate. ``repair`` as in
+    Each poll is one request. Waits ``interval`` seconds after a new version, 1.5 times
+    longer after each poll that finds nothing new and twice as long after a transient store
+    error, never more than ``max_interval`` (±20% jitter;
+    :class:`~deltastore.sync.poll.PollSchedule`). Other errors propagate. ``repair`` as in
     :class:`FolderSync`.
     """
     stop = stop or threading.Event()
+    schedule = PollSchedule(interval, max_interval)
     folder = FolderSync(
         url, dest, storage_options=storage_options, repair=repair, **subscriber_options
     )
-    delay = interval
     while not stop.is_set():
         try:
             latest = folder.latest()
@@ -576,13 +578,15 @@ def watch_checkpoint(
                 report = folder.pull(latest)
                 if on_report is not None:
                     on_report(report)
-            delay = interval
+                schedule.found()
+            else:
+                schedule.idle()
         except StoreError as exc:
             if isinstance(exc, ObjectNotFoundError) and not isinstance(exc, ManifestNotFoundError):
                 raise  # a committed version lost a data object: retrying cannot help
-            delay = min(max_interval, delay * 2)
-            log.warning("store error, retrying in %.1f s: %s", delay, exc)
-        stop.wait(delay * random.uniform(0.8, 1.2))
+            schedule.failed()
+            log.warning("store error, retrying in about %.1f s: %s", schedule.wait, exc)
+        stop.wait(schedule.delay())
 
 
 __all__ = [

@@ -46,7 +46,6 @@ import dataclasses
 import importlib
 import logging
 import os
-import random
 import socket
 import threading
 import time
@@ -654,8 +653,10 @@ def follow(
     **options: Any,
 ) -> Followed | Awaitable[Followed]:
     """Attach ``engine`` (an ``LLM``, or an ``AsyncLLM``: then ``await follow(...)``) at
-    ``version`` and follow the store: poll every ``interval`` seconds (±20% jitter; after a
-    failed sync the interval doubles up to ``max_interval``), sync each new version, call
+    ``version`` and follow the store: poll (one request) ``interval`` seconds after a new
+    version, 1.5 times longer after each poll that finds nothing new and twice as long after
+    a failure, never more than ``max_interval`` (±20% jitter;
+    :class:`~deltastore.sync.poll.PollSchedule`), sync each new version, call
     ``on_sync`` with the workers' results. Stops when the engine holds ``until`` or ``stop``
     is set. A failed sync leaves the engine at the version it had; it is logged and retried
     at the next poll. ``options``: :meth:`DeltastoreWorkerExtension.deltastore_attach`'s."""
@@ -709,21 +710,25 @@ class _Poller:
     ) -> None:
         from deltastore.store import open_store
         from deltastore.sync.chain import ChainReader
+        from deltastore.sync.poll import PollSchedule
 
-        if interval <= 0 or max_interval < interval:
-            raise ValueError("need 0 < interval <= max_interval")
+        self.schedule = PollSchedule(interval, max_interval)
         self._chain = ChainReader(open_store(url, storage_options))
+        self._chain.note(version)  # a poll lists only after it
         self.held = version
         self.result = Followed(version)
-        self._interval, self._max, self._backoff = interval, max_interval, interval
 
     def newest(self) -> int | None:
+        """The newest committed version (None: nothing new, or the poll failed)."""
         try:
-            return self._chain.latest()
+            newest = self._chain.latest()
         except DeltastoreError as exc:  # a store hiccup: poll again later
             log.warning("deltastore poll failed: %s", exc)
-            self._backoff = min(self._max, self._backoff * 2)
+            self.schedule.failed()
             return None
+        if newest is None or newest <= self.held:
+            self.schedule.idle()
+        return newest
 
     def record(
         self, results: list[dict[str, Any]], on_sync: Callable[[list[dict[str, Any]]], None] | None
@@ -731,11 +736,12 @@ class _Poller:
         self.result.last = results
         if all(r.get("ok") for r in results):
             self.held = min(int(r["version"]) for r in results)
-            self.result.version, self._backoff = self.held, self._interval
+            self.result.version = self.held
             self.result.synced += 1
+            self.schedule.found()
         else:
             self.result.failed += 1
-            self._backoff = min(self._max, self._backoff * 2)
+            self.schedule.failed()
             err = next((r["error"] for r in results if r.get("error")), None)
             log.warning("deltastore sync failed, the engine keeps version %d: %s", self.held, err)
         if on_sync is not None:
@@ -745,7 +751,7 @@ class _Poller:
         return (until is not None and self.held >= until) or (stop is not None and stop.is_set())
 
     def delay(self) -> float:
-        return self._backoff * random.uniform(0.8, 1.2)
+        return self.schedule.delay()
 
     def wait(self, stop: threading.Event | None) -> None:
         if stop is not None:

@@ -334,15 +334,13 @@ class Subscriber:
                     )
                     self._chain.forget(None)
                     plan = self._plan(target)
-        except BaseException:
+        except Exception:
             if self._version is not None:  # the lease back to what the tensors hold
                 self._lease.hold(self._version)
             raise
         steps = applied
         if steps:
             self._lease.wait()  # written at the version reached
-        elif self._version is not None:
-            self._lease.hold_soon(self._version)  # renewed, when due
         kind: Literal["anchor", "delta", "none"] = (
             "none" if not steps else "anchor" if any(m.kind == "anchor" for m in steps) else "delta"
         )
