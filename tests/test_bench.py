@@ -37,7 +37,7 @@ from deltastore.bench.dense import (
     parse_layout,
 )
 from deltastore.bench.ops import Differ, RssMeter, digest, flip_positions
-from deltastore.bench.schema import SyncSample, SyncTimes
+from deltastore.bench.schema import LinkInfo, SyncSample, SyncTimes
 from deltastore.publish.publisher import Publisher
 from deltastore.store import LocalStore
 from deltastore_cli import app
@@ -241,12 +241,41 @@ def test_performance_doc_is_generated_from_the_json(
     assert len(
         [
             line
-            for line in text.split("## What is left")[1].split("## ")[0].splitlines()
+            for line in text.split("\n## What is left")[1].split("\n## ")[0].splitlines()
             if line.startswith("- **")
         ]
     ) == len(failing)
     assert "## Measured limits and pitfalls" in text
-    assert report.performance_doc(res, source, doc) == text
+    assert report.performance_doc([(res, source)], doc) == text
+    # a run through a shaped link beside it: both on the page, each with its command
+    linked = res.model_copy(
+        update={
+            "stores": [
+                s.model_copy(
+                    update={
+                        "store": "moto+cross-region",
+                        "link": LinkInfo(
+                            name="cross-region",
+                            latency_s=0.06,
+                            conn_bits_per_s=1e9,
+                            total_bits_per_s=1e9,
+                            dense_floor_s=1.0,
+                            deltastore_floor_s=0.1,
+                        ),
+                    }
+                )
+                for s in res.stores
+            ]
+        }
+    )
+    other = source.with_name("link.json")
+    other.write_text(linked.model_dump_json(indent=1))
+    assert report.main([str(source), str(other), "--performance-doc", str(doc)]) == 0
+    both = doc.read_text()
+    assert "[link.json](../benchmarks/results/link.json)" in both
+    assert f"--size {res.workload.size} --store moto --link cross-region --json" in both
+    assert both.count("## Results: ") == 2 and "through the `cross-region` link" in both
+    assert "Through the shaped link `cross-region`: 60 ms per request" in both
 
 
 def test_report_refuses_another_schema(
