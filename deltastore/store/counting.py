@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from deltastore.store.base import Store
+from deltastore.store.wrapper import StoreWrapper
 
 T = TypeVar("T")
 
@@ -46,7 +47,8 @@ class Timed(Protocol):
 
 @dataclass(frozen=True)
 class StoreCall:
-    """One store operation: ``op`` (``get``, ``get_range``, ``put``, ``list`` ...), ``key``
+    """One store operation: ``op`` (the method's name: ``get``, ``get_range``, ``put``,
+    ``list_after`` ...), ``key``
     (the prefix for a listing) and its ``time.monotonic()`` start and end, in seconds."""
 
     op: str
@@ -70,14 +72,12 @@ def critical_path(calls: Iterable[Timed]) -> int:
     return best
 
 
-class CountingStore(Store):
-    """``inner`` with every call recorded into the windows open when it starts."""
+class CountingStore(StoreWrapper):
+    """``inner`` with every call recorded into the windows open when it starts (``op``: the
+    :class:`~deltastore.store.Store` method's name)."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.unsafe_commits = inner.unsafe_commits
-        self.consistent_listing = inner.consistent_listing
+        super().__init__(inner)
         self._lock = threading.Lock()
         self._windows: list[tuple[float, list[StoreCall]]] = []
 
@@ -95,57 +95,21 @@ class CountingStore(Store):
             with self._lock:
                 self._windows.remove(entry)
 
-    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+    def _call(self, name: str, key: str, fn: Callable[[], T]) -> T:
+        if name == "check_conditional_writes":
+            # not counted: cached after the first call, whose probe requests (a create twice
+            # and a delete, on S3 and GCS) the inner store makes itself
+            return fn()
         start = time.monotonic()
         try:
             return fn()
         finally:
             if self._windows:
-                call = StoreCall(op, key, start, time.monotonic())
+                call = StoreCall(name, key, start, time.monotonic())
                 with self._lock:
                     for opened, calls in self._windows:
                         if start >= opened:
                             calls.append(call)
-
-    # --- Store --------------------------------------------------------------------------
-
-    def get(self, key: str) -> bytes:
-        return self._call("get", key, lambda: self.inner.get(key))
-
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        return self._call("get_range", key, lambda: self.inner.get_range(key, start, length))
-
-    def put(self, key: str, data: bytes) -> None:
-        self._call("put", key, lambda: self.inner.put(key, data))
-
-    def put_if_absent(self, key: str, data: bytes) -> None:
-        self._call("put_if_absent", key, lambda: self.inner.put_if_absent(key, data))
-
-    def get_with_token(self, key: str) -> tuple[bytes, str] | None:
-        return self._call("get", key, lambda: self.inner.get_with_token(key))
-
-    def put_if_match(self, key: str, data: bytes, token: str | None) -> None:
-        self._call("put_if_match", key, lambda: self.inner.put_if_match(key, data, token))
-
-    def list(self, prefix: str = "") -> builtins.list[str]:
-        return self._call("list", prefix, lambda: self.inner.list(prefix))
-
-    def list_after(self, prefix: str, start_after: str) -> builtins.list[str]:
-        return self._call("list", prefix, lambda: self.inner.list_after(prefix, start_after))
-
-    def delete(self, key: str) -> None:
-        self._call("delete", key, lambda: self.inner.delete(key))
-
-    def head_token(self, key: str) -> str | None:
-        return self._call("head", key, lambda: self.inner.head_token(key))
-
-    def exists(self, key: str) -> bool:
-        return self._call("head", key, lambda: self.inner.exists(key))
-
-    def check_conditional_writes(self) -> bool:
-        """Not counted: the answer is cached after the first call, whose probe requests (a
-        create twice and a delete, on S3 and GCS) the inner store makes itself."""
-        return self.inner.check_conditional_writes()
 
 
 def concurrently(calls: Sequence[Callable[[], Any]]) -> builtins.list[Any]:

@@ -42,25 +42,11 @@ from typing import Literal, TypeVar
 
 from deltastore.errors import StoreError
 from deltastore.store.base import Store
+from deltastore.store.wrapper import OPERATIONS, StoreWrapper
 
 FaultMode = Literal["raise", "lost-response", "kill", "kill-after"]
 FAULT_MODES: tuple[FaultMode, ...] = ("raise", "lost-response", "kill", "kill-after")
 
-#: Every operation of the :class:`Store` interface, as :attr:`Op.name` spells it.
-OPERATIONS = (
-    "get",
-    "get_range",
-    "put",
-    "put_if_absent",
-    "get_with_token",
-    "put_if_match",
-    "list",
-    "list_after",
-    "delete",
-    "head_token",
-    "exists",
-    "check_conditional_writes",
-)
 
 T = TypeVar("T")
 
@@ -92,7 +78,7 @@ class Op:
         return self.name in ("put", "put_if_absent", "put_if_match", "delete")
 
 
-class FaultyStore(Store):
+class FaultyStore(StoreWrapper):
     """Wraps ``inner`` and fails its ``fail_at``-th operation (None: none fails).
 
     ``mode`` is one of :data:`FAULT_MODES`; ``only`` restricts which operation names count
@@ -109,10 +95,8 @@ class FaultyStore(Store):
         only: Iterable[str] | None = None,
         hook: Callable[[Op], None] | None = None,
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.hook = hook
-        self.url = inner.url
-        self.consistent_listing = inner.consistent_listing
         self._lock = threading.Lock()
         self._ops: builtins.list[Op] = []
         self._counted = 0
@@ -186,44 +170,6 @@ class FaultyStore(Store):
         with self._lock:
             op = self._ops[slot]
             self._ops[slot] = Op(op.index, op.name, op.key, done, op.fault, error)
-
-    # --- the Store interface, each call counted once -------------------------------------
-
-    def get(self, key: str) -> bytes:
-        return self._call("get", key, lambda: self.inner.get(key))
-
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        return self._call("get_range", key, lambda: self.inner.get_range(key, start, length))
-
-    def put(self, key: str, data: bytes) -> None:
-        self._call("put", key, lambda: self.inner.put(key, data))
-
-    def put_if_absent(self, key: str, data: bytes) -> None:
-        self._call("put_if_absent", key, lambda: self.inner.put_if_absent(key, data))
-
-    def get_with_token(self, key: str) -> tuple[bytes, str] | None:
-        return self._call("get_with_token", key, lambda: self.inner.get_with_token(key))
-
-    def put_if_match(self, key: str, data: bytes, token: str | None) -> None:
-        self._call("put_if_match", key, lambda: self.inner.put_if_match(key, data, token))
-
-    def list(self, prefix: str = "") -> builtins.list[str]:
-        return self._call("list", prefix, lambda: self.inner.list(prefix))
-
-    def list_after(self, prefix: str, start_after: str) -> builtins.list[str]:
-        return self._call("list_after", prefix, lambda: self.inner.list_after(prefix, start_after))
-
-    def delete(self, key: str) -> None:
-        self._call("delete", key, lambda: self.inner.delete(key))
-
-    def head_token(self, key: str) -> str | None:
-        return self._call("head_token", key, lambda: self.inner.head_token(key))
-
-    def exists(self, key: str) -> bool:
-        return self._call("exists", key, lambda: self.inner.exists(key))
-
-    def check_conditional_writes(self) -> bool:
-        return self._call("check_conditional_writes", "", self.inner.check_conditional_writes)
 
 
 def _kill() -> None:
