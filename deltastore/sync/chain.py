@@ -112,7 +112,7 @@ class ChainReader:
     and checked to name the version of its key (:class:`ManifestError`). :meth:`manifest`
     keeps the ``cache`` most recently read manifests (manifests are immutable; a stale one,
     after a publisher race, is dropped by :meth:`forget`). :meth:`latest` remembers the
-    newest version seen and the last ``LATEST`` read (by its change token).
+    newest version seen and the last ``LATEST`` read (by its bytes).
 
     Requests, and which of them overlap (docs/stores.md, Requests per operation):
     :meth:`latest` is one listing of the manifest keys after the newest version seen;
