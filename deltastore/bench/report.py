@@ -417,7 +417,7 @@ def _summary(result: BenchResult) -> list[str]:
         if ds.median.sync.round_trips is not None:
             parts.append(
                 f"{ds.median.sync.round_trips} round trips per sync, "
-                f"{ds.poll_requests} request per poll"
+                f"{ds.poll_requests} request{'' if ds.poll_requests == 1 else 's'} per poll"
             )
         if s.floors is not None:
             parts.append(f"sync / receiver floor {_x(s.floors.sync_floor_ratio)}")
