@@ -734,6 +734,10 @@ def test_watch_with_version_is_a_usage_error(chain: tuple[Path, Any], tmp_path: 
     assert result.exit_code == common.EXIT_USAGE
     assert "--watch" in result.stderr
     assert not (tmp_path / "d").exists()
+    result = cli("pull", store, tmp_path / "d", "--watch", "--interval", "2", "--max-interval", "1")
+    assert result.exit_code == common.EXIT_USAGE
+    assert "--max-interval" in result.stderr and "at least --interval" in result.stderr
+    assert not (tmp_path / "d").exists()
 
 
 def wait_for_version(dest: Path, version: int, proc: subprocess.Popen[bytes], log: Path) -> None:

@@ -1,7 +1,7 @@
 """Round trips as a budget (issue 16), counted where the S3 server sees them.
 
 Every request goes through a shaped link (:mod:`deltastore.testing.link`) in front of moto,
-with 20 ms of latency per request, so that requests made at once overlap and requests made
+with 50 ms of latency per request, so that requests made at once overlap and requests made
 one after the other do not; :func:`critical_path` of the requests the link saw is the number
 of sequential round trips. The budgets:
 
@@ -29,7 +29,7 @@ from deltastore.testing.link import LinkProfile, Request, ShapedLink
 
 pytest.importorskip("s3fs")
 
-LINK = LinkProfile("budget", latency_s=0.02, conn_bits_per_s=1e9, total_bits_per_s=1e9)
+LINK = LinkProfile("budget", latency_s=0.05, conn_bits_per_s=1e9, total_bits_per_s=1e9)
 Tensors = dict[str, torch.Tensor]
 
 
