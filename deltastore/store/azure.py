@@ -36,6 +36,7 @@ from any thread, is submitted to that loop and waited for.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import re
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -46,7 +47,7 @@ from deltastore.errors import (
     StoreError,
     VersionExistsError,
 )
-from deltastore.store.base import split_options
+from deltastore.store.base import split_options, validate_key
 from deltastore.store.fsspec_store import FsspecStore, RetryPolicy, request_timeouts
 
 T = TypeVar("T")
@@ -241,6 +242,46 @@ class AzureStore(FsspecStore):
             except ResourceModifiedError:
                 continue
         raise StoreError(f"{path} in store {self.url} keeps changing; try again")
+
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        """List Blobs pages of 5,000 names (adlfs's ``find`` adds a Get Blob Properties of the
+        prefix, and another listing when it finds nothing)."""
+        keys = self._list_blobs(prefix)
+        if not keys:  # an empty store, or no container at all
+            self._raise_if_bucket_missing(None, probe=True)
+        return keys
+
+    def list_after(self, prefix: str, start_after: str) -> builtins.list[str]:
+        """The keys under ``prefix`` after ``start_after``: Azure lists no range after a key,
+        so the whole prefix is listed (one request per 5,000 keys) and filtered here."""
+        return [k for k in self._list_blobs(prefix) if k > start_after]
+
+    def _list_blobs(self, prefix: str) -> builtins.list[str]:
+        """Sorted keys under ``prefix`` (a folder placeholder blob is not a key)."""
+        if prefix:
+            validate_key(prefix.rstrip("/"))
+        container, _, root = self.root.partition("/")
+        base = f"{root}/" if root else ""
+
+        async def names() -> builtins.list[str]:
+            async with self.fs.service_client.get_container_client(container) as cc:
+                return [
+                    b.name
+                    async for b in cc.list_blobs(
+                        name_starts_with=base + prefix, include=["metadata"], **self._timeouts()
+                    )
+                    if (b.metadata or {}).get("is_directory") != "true"
+                ]
+
+        found = self._call("list", prefix or "/", lambda: self._run(names))
+        keys = (n[len(base) :] for n in found)
+        return sorted(
+            k
+            for k in keys
+            if k.startswith(prefix)
+            and not k.endswith("/")
+            and not any(s.startswith(".") for s in k.split("/"))
+        )
 
     def _replace_if(self, path: str, data: bytes, token: str) -> None:
         from azure.core import MatchConditions
