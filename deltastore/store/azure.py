@@ -48,7 +48,12 @@ from deltastore.errors import (
     VersionExistsError,
 )
 from deltastore.store.base import split_options, validate_key
-from deltastore.store.fsspec_store import FsspecStore, RetryPolicy, request_timeouts
+from deltastore.store.fsspec_store import (
+    FsspecStore,
+    RetryPolicy,
+    listed_keys,
+    request_timeouts,
+)
 
 T = TypeVar("T")
 
@@ -274,14 +279,7 @@ class AzureStore(FsspecStore):
                 ]
 
         found = self._call("list", prefix or "/", lambda: self._run(names))
-        keys = (n[len(base) :] for n in found)
-        return sorted(
-            k
-            for k in keys
-            if k.startswith(prefix)
-            and not k.endswith("/")
-            and not any(s.startswith(".") for s in k.split("/"))
-        )
+        return listed_keys((n[len(base) :] for n in found), prefix)
 
     def _replace_if(self, path: str, data: bytes, token: str) -> None:
         from azure.core import MatchConditions

@@ -24,7 +24,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -51,6 +51,18 @@ _TRANSIENT_ERRNOS = {
     errno.EAGAIN,
     getattr(errno, "EREMOTEIO", 121),
 }
+
+
+def listed_keys(keys: Iterable[str], prefix: str, start_after: str = "") -> list[str]:
+    """The keys a listing returns, sorted: those under ``prefix`` and after ``start_after``
+    with no segment starting with ``.`` (temporary files are never keys)."""
+    return sorted(
+        k
+        for k in keys
+        if k > start_after
+        and k.startswith(prefix)
+        and not any(s.startswith(".") for s in k.split("/"))
+    )
 
 
 class TransientError(StoreError):
@@ -317,11 +329,7 @@ class FsspecStore(Store):
         keys = [p[start:] for p in self._call("list", prefix or "/", find)]
         if not keys:  # an empty store, or no bucket at all
             self._raise_if_bucket_missing(None, probe=True)
-        return sorted(
-            k
-            for k in keys
-            if k.startswith(prefix) and not any(s.startswith(".") for s in k.split("/"))
-        )
+        return listed_keys(keys, prefix)
 
     def delete(self, key: str) -> None:
         path = self._path(key)

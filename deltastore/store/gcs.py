@@ -46,7 +46,12 @@ from deltastore.errors import (
     VersionExistsError,
 )
 from deltastore.store.base import split_options, validate_key
-from deltastore.store.fsspec_store import FsspecStore, RetryPolicy, request_timeouts
+from deltastore.store.fsspec_store import (
+    FsspecStore,
+    RetryPolicy,
+    listed_keys,
+    request_timeouts,
+)
 
 #: Objects this large go through gcsfs's resumable upload (its default chunk size).
 SINGLE_REQUEST_MAX = 50 * 2**20
@@ -247,10 +252,4 @@ class GCSStore(FsspecStore):
             keys += [o["name"][len(base) :] for o in page.get("items") or []]
             page_token = page.get("nextPageToken")
             if not page_token:
-                return sorted(
-                    k
-                    for k in keys
-                    if k > start_after
-                    and k.startswith(prefix)
-                    and not any(s.startswith(".") for s in k.split("/"))
-                )
+                return listed_keys(keys, prefix, start_after)

@@ -22,7 +22,12 @@ from fsspec.asyn import sync
 
 from deltastore.errors import PreconditionFailedError, StoreError, VersionExistsError
 from deltastore.store.base import split_options, validate_key
-from deltastore.store.fsspec_store import FsspecStore, RetryPolicy, request_timeouts
+from deltastore.store.fsspec_store import (
+    FsspecStore,
+    RetryPolicy,
+    listed_keys,
+    request_timeouts,
+)
 
 _TRANSIENT_CODES = {
     "InternalError",
@@ -214,8 +219,4 @@ class S3Store(FsspecStore):
             keys += [o["Key"][len(base) :] for o in page.get("Contents", [])]
             token = page.get("NextContinuationToken")
             if not token:
-                return sorted(
-                    k
-                    for k in keys
-                    if k.startswith(prefix) and not any(s.startswith(".") for s in k.split("/"))
-                )
+                return listed_keys(keys, prefix)
