@@ -7,6 +7,7 @@ objects are deleted. The bench process itself only orchestrates (and serves moto
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import os
@@ -128,16 +129,15 @@ def _moto(run_id: str, link: LinkProfile | None = None) -> Iterator[BenchStore]:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(server.stop)
         endpoint = f"http://127.0.0.1:{port}"
         creds = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **creds).create_bucket(
             Bucket=_BUCKET
         )
-        shaped = ShapedLink(port, link) if link is not None else None
-        if shaped is not None:  # every system's requests go through it
-            shaped.__enter__()
-            endpoint = shaped.endpoint
+        if link is not None:  # every system's requests go through it
+            endpoint = stack.enter_context(ShapedLink(port, link)).endpoint
         options = {
             "key": "testing",
             "secret": "testing",
@@ -150,13 +150,7 @@ def _moto(run_id: str, link: LinkProfile | None = None) -> Iterator[BenchStore]:
             "config_kwargs": {"read_timeout": 900},
         }
         label = "moto" if link is None else f"moto+{link.name}"
-        try:
-            yield BenchStore(label, f"s3://{_BUCKET}/{run_id}", options, link)
-        finally:
-            if shaped is not None:
-                shaped.__exit__(None, None, None)
-    finally:
-        server.stop()
+        yield BenchStore(label, f"s3://{_BUCKET}/{run_id}", options, link)
 
 
 @contextmanager
