@@ -38,6 +38,7 @@ class Uploads:
         self._slots = threading.BoundedSemaphore(workers)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="deltastore-upload")
         self._futures: list[Future[None]] = []
+        self._failed: BaseException | None = None  # the first upload error, set by a worker
 
     def put(self, key: str, data: bytes) -> None:
         """Upload ``data`` as ``key`` on a worker thread; waits while ``workers`` objects are
@@ -45,15 +46,17 @@ class Uploads:
         t0 = time.perf_counter()
         self._slots.acquire()
         self._timing.upload_s += time.perf_counter() - t0
-        for fut in self._futures:
-            if fut.done() and fut.exception() is not None:
-                self._slots.release()
-                raise fut.exception()  # type: ignore[misc]
+        if self._failed is not None:
+            self._slots.release()
+            raise self._failed
         self._futures.append(self._pool.submit(self._put, key, data))
 
     def _put(self, key: str, data: bytes) -> None:
         try:
             self._store.put(key, data)
+        except BaseException as exc:
+            self._failed = self._failed or exc
+            raise
         finally:
             self._slots.release()
 
