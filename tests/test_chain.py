@@ -1,4 +1,4 @@
-"""The chain reader (``deltastore.sync.chain.ChainReader``) and the chain-link rule
+"""The chain reader (``deltastore.catalog.chain.ChainReader``) and the chain-link rule
 (``deltastore.format.chain``).
 
 The reader is the one place that lists ``manifests/``: listing and version keys, the manifest
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from deltastore.catalog.chain import ChainReader, Damaged
 from deltastore.errors import (
     ChainError,
     ManifestError,
@@ -49,7 +50,6 @@ from deltastore.format.manifest import (
 from deltastore.format.signing import SignatureError, SigningKey, sign_manifest
 from deltastore.maintenance import verify
 from deltastore.store import LocalStore
-from deltastore.sync.chain import ChainReader, Damaged
 from deltastore.testing.faults import FaultyStore
 
 #: name -> (dtype, shape, adler32, parent_adler32)
@@ -493,7 +493,7 @@ def test_a_stale_cached_parent_is_read_again(store: LocalStore, chain: list[Mani
 
 def test_the_reader_and_the_rule_import_no_torch() -> None:
     code = (
-        "import sys, deltastore.sync.chain, deltastore.format.chain, "
+        "import sys, deltastore.catalog.chain, deltastore.format.chain, "
         "deltastore.maintenance.history; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )

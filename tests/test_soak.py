@@ -87,6 +87,7 @@ import xxhash
 
 import deltastore.tensors.words
 from deltastore import IntegrityError, LocalStore, Publisher, Subscriber
+from deltastore.catalog.chain import ChainReader
 from deltastore.checkpoint.folders import PENDING, FolderSync, read_state
 from deltastore.checkpoint.safetensors import MappedCheckpoint, locate
 from deltastore.errors import DeltastoreError
@@ -96,7 +97,6 @@ from deltastore.format.manifest import DATA_PREFIX, Manifest, manifest_key
 from deltastore.maintenance.orphans import find_orphans, gc
 from deltastore.maintenance.retention import RetentionReport
 from deltastore.maintenance.verify import verify_store
-from deltastore.sync.chain import ChainReader
 from deltastore.sync.subscriber import SyncReport
 from deltastore.testing.faults import FaultyStore, InjectedFault, Op
 from deltastore.testing.synthetic import AdamWTrajectory, ModelConfig

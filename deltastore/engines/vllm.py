@@ -708,8 +708,8 @@ class _Poller:
         interval: float,
         max_interval: float,
     ) -> None:
+        from deltastore.catalog.chain import ChainReader
         from deltastore.store import open_store
-        from deltastore.sync.chain import ChainReader
         from deltastore.sync.poll import PollSchedule
 
         self.schedule = PollSchedule(interval, max_interval)

@@ -13,7 +13,7 @@ Adler-32 and, when known, tensor table) when
    (:data:`PARENT_ADLER32`; tensors the state does not hold are not compared, nor are they
    when the tables differ; an anchor's null ``parent_adler32`` is not compared).
 
-The same rule serves the planner of a sync (:meth:`deltastore.sync.chain.ChainReader.plan`),
+The same rule serves the planner of a sync (:meth:`deltastore.catalog.chain.ChainReader.plan`),
 ``deltastore verify`` (which reports every misfit as a problem of the same kind) and the
 coordinator of a sharded publish (:func:`deltastore.publish.parts.commit_parts`). An anchor
 applies to any state; its misfits are only reported by verify. Everything here is immutable

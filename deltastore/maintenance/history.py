@@ -10,15 +10,15 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from deltastore.catalog.chain import ChainReader
 from deltastore.format.manifest import Manifest
 from deltastore.format.ratios import SizeRatios
 from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys
 from deltastore.store import Store, open_store
-from deltastore.sync.chain import ChainReader
 
 
 class ManifestReader(ChainReader):
-    """A :class:`~deltastore.sync.chain.ChainReader` on the store at ``url``, checking
+    """A :class:`~deltastore.catalog.chain.ChainReader` on the store at ``url``, checking
     manifests as a :class:`~deltastore.Subscriber` does (format v1 validation, the signature
     when a signing key is given or set in ``DELTASTORE_SIGNING_KEY``, the version the key
     names). Kept for code that used it; ``ChainReader(open_store(url), keys=...)`` is the

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deltastore.catalog.chain import ChainReader, Damaged
 from deltastore.errors import ManifestError, ObjectNotFoundError, StoreError
 from deltastore.format.keys import DATA_PREFIX, MANIFEST_PREFIX
 from deltastore.maintenance.retention import DEFAULT_LEASE_GRACE_S, RetentionReport, retain
 from deltastore.store import LocalStore, Store, open_store
-from deltastore.sync.chain import ChainReader, Damaged
 
 #: Orphans younger than this many seconds are kept by default: a publish may be writing them.
 DEFAULT_MIN_AGE_S = 3600.0

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from deltastore.catalog.chain import ChainReader
 from deltastore.errors import DeltastoreError, ManifestError, ObjectNotFoundError
 from deltastore.format.keys import (
     DATA_PREFIX,
@@ -42,7 +43,6 @@ from deltastore.format.keys import (
 from deltastore.format.lease import parse_lease
 from deltastore.format.manifest import Manifest
 from deltastore.store import Store
-from deltastore.sync.chain import ChainReader
 
 log = logging.getLogger(__name__)
 

@@ -36,6 +36,7 @@ from typing import Any, Final, Literal
 
 import xxhash
 
+from deltastore.catalog.chain import Chain, ChainReader
 from deltastore.checkpoint.safetensors import CheckpointError, MappedCheckpoint, locate, table_of
 from deltastore.errors import ObjectNotFoundError
 from deltastore.format import chain as link
@@ -44,7 +45,6 @@ from deltastore.format.manifest import Frame, Manifest
 from deltastore.maintenance.replay import ADLER32, FRAME, Replay
 from deltastore.progress import ProgressFn, Ticker
 from deltastore.store import Store, open_store
-from deltastore.sync.chain import Chain, ChainReader
 
 # --- problem kinds -------------------------------------------------------------------------
 #: A manifest that does not parse or validate, or claims another version than its key.

@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from typing import Literal
 
 from deltastore._version import __version__
+from deltastore.catalog.chain import ChainReader
 from deltastore.errors import (
     ChainError,
     DeltastoreError,
@@ -41,7 +42,6 @@ from deltastore.format.manifest import (
 from deltastore.format.signing import SigningKey, sign_manifest
 from deltastore.publish.policy import AnchorCosts
 from deltastore.store import Store
-from deltastore.sync.chain import ChainReader
 
 log = logging.getLogger("deltastore.publish.publisher")
 

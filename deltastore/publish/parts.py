@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from deltastore.catalog.chain import ChainReader
 from deltastore.errors import (
     ChainError,
     DeltastoreError,
@@ -58,7 +59,6 @@ from deltastore.publish.commit import (
 )
 from deltastore.publish.snapshot import row_range
 from deltastore.store import Store, open_store
-from deltastore.sync.chain import ChainReader
 
 log = logging.getLogger("deltastore.publish.sharded")
 

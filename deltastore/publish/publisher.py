@@ -26,6 +26,7 @@ from typing import Any, Literal, cast
 import numpy as np
 import torch
 
+from deltastore.catalog.chain import ChainReader
 from deltastore.errors import (
     ChainError,
     ManifestNotFoundError,
@@ -76,7 +77,6 @@ from deltastore.publish.snapshot import (
 from deltastore.publish.upload import PackWriter, Uploads
 from deltastore.store import Store, open_store
 from deltastore.store.counting import CountingStore, concurrently, critical_path
-from deltastore.sync.chain import ChainReader
 from deltastore.tensors.dtypes import dtype_name, np_words
 from deltastore.tensors.tables import check_table, raise_if_mismatched
 

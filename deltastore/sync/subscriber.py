@@ -25,6 +25,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from deltastore.catalog.chain import ChainReader, Plan
 from deltastore.errors import (
     ChainError,
     IntegrityError,
@@ -46,7 +47,6 @@ from deltastore.progress import ProgressFn
 from deltastore.store import Store, open_store
 from deltastore.store.counting import CountingStore, critical_path
 from deltastore.sync.apply import Hooks, Sums, frame_totals, verify_tensors, write_phase, writes_of
-from deltastore.sync.chain import ChainReader, Plan
 from deltastore.sync.fetch import Fetcher, FrameTask, Timer, frame_tasks
 from deltastore.sync.group import Group
 from deltastore.sync.lease import DEFAULT_LEASE_TTL_S, LeaseKeeper
@@ -75,7 +75,7 @@ class SyncReport(SizeRatios):
     ``verify_s`` and ``pause_s`` are wall time; ``pause_s`` is the time tensors were written.
     ``kind`` is ``"anchor"`` when a full version was applied, ``"delta"`` when only deltas
     were, ``"none"`` when the tensors already were at the target. ``path`` is the catch-up
-    path chosen by stored bytes (:meth:`deltastore.sync.chain.ChainReader.plan`):
+    path chosen by stored bytes (:meth:`deltastore.catalog.chain.ChainReader.plan`):
     ``"deltas"`` from the held version, ``"anchor"`` from the newest anchor (copy) at or below
     the target, ``"none"``; ``path_bytes`` its stored bytes as planned and ``other_bytes``
     those of the path not taken (None: there was none, or it was not priced).
@@ -216,7 +216,7 @@ class Subscriber:
         """Newest committed version, or None when the store has none.
 
         A poll is one request: a listing of the manifest keys after the newest version
-        known (:meth:`deltastore.sync.chain.ChainReader.latest`; a subscriber that knows
+        known (:meth:`deltastore.catalog.chain.ChainReader.latest`; a subscriber that knows
         none reads the ``LATEST`` hint first). Renews the lease when it is due, in the
         background (a second request, once per half ``lease_ttl``).
         """
@@ -366,7 +366,7 @@ class Subscriber:
         )
 
     def _plan(self, target: int, copies: set[int] | None = None) -> Plan:
-        """Versions to apply, oldest first (see :meth:`deltastore.sync.chain.ChainReader.plan`);
+        """Versions to apply, oldest first (see :meth:`deltastore.catalog.chain.ChainReader.plan`);
         ``copies``: the anchor copies as :meth:`ChainReader.discover` listed them."""
         held = (
             None
