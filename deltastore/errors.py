@@ -7,6 +7,9 @@ went wrong and what to do about it.
 
 from __future__ import annotations
 
+import errno as _errno
+import os as _os
+
 
 class DeltastoreError(Exception):
     """Root of every error raised on purpose by deltastore."""
@@ -46,8 +49,49 @@ class PreconditionsIgnoredError(StoreError):
     them, or accept the risk with ``unsafe_commits=True`` (one publisher only)."""
 
 
+class TransientError(StoreError):
+    """A failure worth retrying (5xx, throttling, connection reset, timeout); raised by the
+    store backends and retried there (importable from ``deltastore.store.fsspec_store`` too)."""
+
+
 class InvalidKeyError(DeltastoreError, ValueError):
     """A key is not a clean relative path inside the store root (``..``, ``/``, NUL, URL...)."""
+
+
+# --- local disk --------------------------------------------------------------------------
+
+
+class DiskFullError(DeltastoreError, OSError):
+    """A file deltastore writes on a local file system found no room: the disk is full
+    (``ENOSPC``) or the user's quota is exhausted (``EDQUOT``). ``errno`` says which,
+    ``filename`` names the folder, ``needed`` / ``free`` are bytes (None where unknown; ``free``
+    as ``shutil.disk_usage`` reports it, which a quota may further limit). The file being
+    written was removed and nothing already recorded was changed: free space (or choose
+    another folder) and run the operation again."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        errno: int | None = None,
+        filename: str | None = None,
+        needed: int | None = None,
+        free: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.errno = _errno.ENOSPC if errno is None else errno
+        self.strerror = _os.strerror(self.errno)
+        self.filename = filename
+        self.needed, self.free = needed, free
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class StoreFullError(StoreError, DiskFullError):
+    """A local store's folder (:class:`~deltastore.store.LocalStore`) has no room for an
+    object: a :class:`StoreError` and a :class:`DiskFullError`. The temp file was removed and
+    nothing was committed."""
 
 
 # --- format ------------------------------------------------------------------------------
@@ -69,6 +113,12 @@ class IntegrityError(DeltastoreError, ValueError):
     """A checksum did not match: the data is not what the manifest promised."""
 
 
+class SignatureError(IntegrityError):
+    """A manifest is unsigned, wrongly signed, signed with an unknown key id, or replayed,
+    while this reader requires signed manifests. Nothing was fetched or written.
+    (Importable from ``deltastore.format.signing`` too.)"""
+
+
 # --- chain / state ----------------------------------------------------------------------
 
 
@@ -88,6 +138,11 @@ class ForkError(ChainError):
 
 class TensorMismatchError(DeltastoreError, ValueError):
     """Local tensors do not match the manifest (names, dtype, shape, layout, checksum)."""
+
+
+class CheckpointError(TensorMismatchError):
+    """A checkpoint file or folder is missing, malformed or not what was expected.
+    (Importable from ``deltastore.checkpoint.safetensors`` and ``deltastore.checkpoint`` too.)"""
 
 
 class LayoutError(TensorMismatchError):
@@ -127,10 +182,22 @@ class VersionNotCommittedError(DeltastoreError, TimeoutError):
     in time, or the version was aborted. Nothing was committed; publish a higher version."""
 
 
+# --- engines -----------------------------------------------------------------------------
+
+
+class EngineSyncError(DeltastoreError):
+    """A worker's sync failed with an error that is not one of deltastore's own types, or the
+    driver/worker protocol was misused (a second prepare, a commit without prepare, a timeout).
+    (Importable from ``deltastore.engines.vllm`` too.)"""
+
+
 __all__ = [
     "BucketNotFoundError",
     "ChainError",
+    "CheckpointError",
     "DeltastoreError",
+    "DiskFullError",
+    "EngineSyncError",
     "ForkError",
     "FrameError",
     "IntegrityError",
@@ -142,9 +209,12 @@ __all__ = [
     "PreconditionFailedError",
     "PreconditionsIgnoredError",
     "RankError",
+    "SignatureError",
     "StoreError",
+    "StoreFullError",
     "TableChangedError",
     "TensorMismatchError",
+    "TransientError",
     "UnsupportedFormatError",
     "VersionExistsError",
     "VersionNotCommittedError",

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from deltastore.errors import TensorMismatchError
+from deltastore.errors import CheckpointError
 from deltastore.format.dtypes import SAFETENSORS_CODES, SAFETENSORS_NAMES, itemsize
 
 if TYPE_CHECKING:
@@ -41,10 +41,6 @@ if TYPE_CHECKING:
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MAX_HEADER_BYTES = 100 << 20
-
-
-class CheckpointError(TensorMismatchError):
-    """A checkpoint file or folder is missing, malformed or not what was expected."""
 
 
 @dataclass(frozen=True)

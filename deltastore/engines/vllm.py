@@ -52,8 +52,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from deltastore import errors
-from deltastore.errors import DeltastoreError, LayoutError
+from deltastore.engines.worker_errors import error_from_dict, error_to_dict
+from deltastore.errors import DeltastoreError, EngineSyncError, LayoutError
 from deltastore.layout.boxes import Layout
 from deltastore.layout.presets import FAMILIES, ModelSpec, hf_shapes, vllm_layout
 
@@ -69,10 +69,6 @@ log = logging.getLogger(__name__)
 EXTENSION = "deltastore.engines.vllm.DeltastoreWorkerExtension"
 #: Path segments vLLM adds between a module and its parameters (MoE runners, LoRA wrappers).
 _WRAPPERS = (".routed_experts.", ".base_layer.")
-
-
-class EngineSyncError(DeltastoreError):
-    """A worker's sync failed with an error that is not one of deltastore's own types."""
 
 
 # --- layout from the live model (pure; no vLLM import) --------------------------------------
@@ -196,10 +192,6 @@ class _Gate:
                 f"no commit within {self.timeout_s:.0f} s of the sync being ready; nothing was "
                 "written (call deltastore_commit after deltastore_prepare)"
             )
-
-
-def _error(exc: BaseException) -> dict[str, str]:
-    return {"type": type(exc).__name__, "message": str(exc)}
 
 
 class _Receiver:
@@ -397,7 +389,7 @@ class _Receiver:
             out.update(ok=True, report=dataclasses.asdict(report), error=None)
         except Exception as exc:
             log.warning("deltastore sync on rank %d failed: %s", self.rank, exc)
-            out.update(ok=False, report=None, error=_error(exc))
+            out.update(ok=False, report=None, error=error_to_dict(exc))
         out.update(
             version=self.sub.version, rebuilt_modules=self._rebuilt, rebuild_s=self._rebuild_s
         )
@@ -528,15 +520,13 @@ class DeltastoreWorkerExtension:
 
 
 def raise_for_error(results: Sequence[Mapping[str, Any]]) -> None:
-    """Raise the first worker error of ``results`` as its deltastore type
-    (:class:`EngineSyncError` for other types)."""
+    """Raise the first worker error of ``results`` as its type of ``deltastore.errors``
+    (:func:`error_from_dict`; :class:`EngineSyncError` for types not listed there), its
+    message prefixed with the worker's rank."""
     for r in results:
         err = r.get("error")
         if err:
-            cls = getattr(errors, str(err.get("type")), None)
-            if not (isinstance(cls, type) and issubclass(cls, DeltastoreError)):
-                cls = EngineSyncError
-            raise cls(f"rank {r.get('rank')}: {err.get('message')}")
+            raise error_from_dict(err, prefix=f"rank {r.get('rank')}: ")
 
 
 def _changed(results: Sequence[Mapping[str, Any]]) -> bool:
@@ -769,6 +759,8 @@ __all__ = [
     "attach",
     "attach_async",
     "derive_layout",
+    "error_from_dict",
+    "error_to_dict",
     "follow",
     "raise_for_error",
     "sync",

@@ -29,7 +29,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Final, Literal, TypeAlias
 
-from deltastore.errors import IntegrityError
+from deltastore.errors import SignatureError
 from deltastore.format.manifest import KEY_ID_PATTERN, Manifest, Signature
 
 #: Environment variable read when no ``signing_key`` argument is given.
@@ -38,11 +38,6 @@ SIGNING_KEY_ENV: Final = "DELTASTORE_SIGNING_KEY"
 MIN_SECRET_BYTES: Final = 16
 
 _HEX = re.compile(r"(?:[0-9a-fA-F]{2})+")
-
-
-class SignatureError(IntegrityError):
-    """A manifest is unsigned, wrongly signed, signed with an unknown key id, or replayed,
-    while this reader requires signed manifests. Nothing was fetched or written."""
 
 
 class _Default(enum.Enum):

@@ -34,6 +34,7 @@ from deltastore.errors import (
     PreconditionFailedError,
     PreconditionsIgnoredError,
     StoreError,
+    TransientError,
     VersionExistsError,
 )
 from deltastore.store.base import Store, validate_key
@@ -63,10 +64,6 @@ def listed_keys(keys: Iterable[str], prefix: str, start_after: str = "") -> list
         and k.startswith(prefix)
         and not any(s.startswith(".") for s in k.split("/"))
     )
-
-
-class TransientError(StoreError):
-    """A failure worth retrying (5xx, throttling, connection reset, timeout)."""
 
 
 def _describe(exc: BaseException) -> str:
