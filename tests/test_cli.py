@@ -331,6 +331,37 @@ def test_demo_refuses_to_empty_a_default_folder_that_is_not_a_store(
     assert (tmp_path / "deltastore-demo" / "keep.txt").read_text() == "mine"
 
 
+def test_a_second_demo_empties_the_store_the_first_one_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twice in a row on the default store, as `make demo && make demo` does: the receivers'
+    leases (and any anchor copies) of the first run do not stop the second."""
+    monkeypatch.chdir(tmp_path)
+    args = ["-q", "demo", "--size", "tiny", "--versions", "2", "--receivers", "2", "--json"]
+    first = json.loads(ok(*args).stdout)
+    store = tmp_path / "deltastore-demo"
+    assert (store / "leases").is_dir() and any((store / "leases").iterdir())
+    (store / "anchors").mkdir(exist_ok=True)
+    (store / "anchors" / "00000000000000000001.json").write_text("{}")
+    second = json.loads(ok(*args).stdout)
+    assert first["ok"] and second["ok"]
+    assert [r["version"] for r in second["rows"]] == [1, 2]  # emptied: starts again at v1
+    assert not (store / "anchors").exists()
+
+
+def test_demo_refuses_to_empty_a_store_it_did_not_create(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    store = tmp_path / "deltastore-demo"
+    Publisher(str(store)).publish({"w": torch.ones(4, dtype=torch.bfloat16)}, version=1)
+    before = sorted(p.relative_to(store) for p in store.rglob("*"))
+    result = cli("-q", "demo", "--size", "tiny", "--versions", "2", "--receivers", "1")
+    line = assert_one_line_error(result, common.EXIT_STORE)
+    assert "did not create" in line and "--store" in line
+    assert sorted(p.relative_to(store) for p in store.rglob("*")) == before
+
+
 # --- publish --------------------------------------------------------------------------------
 
 

@@ -25,7 +25,15 @@ from deltastore.testing.synthetic import AdamWTrajectory
 
 #: Store used when none is given: a folder under the working directory.
 DEFAULT_STORE = "deltastore-demo"
-_STORE_ENTRIES = {"manifests", "versions", "LATEST", ".deltastore.lock"}
+#: Written by the demo into the default store it creates (a hidden file: never a store key);
+#: only a folder holding it is emptied by the next demo.
+DEMO_MARKER = ".deltastore-demo"
+#: What a store folder may hold (docs/spec/format-v1.md, section 3: the store's key prefixes,
+#: ``LATEST`` and the local store's lock file), besides the marker and temporary ``.tmp-*``
+#: files of an interrupted write.
+_STORE_ENTRIES = frozenset(
+    {"manifests", "versions", "anchors", "leases", "LATEST", ".deltastore.lock", DEMO_MARKER}
+)
 
 
 @dataclass(frozen=True)
@@ -61,13 +69,28 @@ class DemoResult:
 
 
 def _fresh_default_store(path: Path) -> None:
-    """Empty the default demo folder, but only if it holds nothing but a store."""
+    """Empty the default demo folder and mark it as the demo's (:data:`DEMO_MARKER`).
+
+    A folder that exists is removed only if an earlier demo created it (it holds the marker)
+    and it holds nothing but a store; otherwise :class:`StoreError`, and nothing is removed.
+    """
     if path.exists():
-        if not set(os.listdir(path)) <= _STORE_ENTRIES:
+        entries = set(os.listdir(path)) if path.is_dir() else set()
+        stray = {e for e in entries if not e.startswith(".tmp-")} - _STORE_ENTRIES
+        if not path.is_dir() or stray:
             raise StoreError(
-                f"{path} holds other files than a deltastore store; pass --store to choose a folder"
+                f"{path} holds other files than a deltastore store "
+                f"({', '.join(sorted(stray)) or 'it is not a folder'}); "
+                "remove it, or pass --store to choose a folder"
+            )
+        if DEMO_MARKER not in entries:
+            raise StoreError(
+                f"{path} holds a deltastore store that the demo did not create (no "
+                f"{DEMO_MARKER} file); remove it, or pass --store to choose a folder"
             )
         shutil.rmtree(path)
+    path.mkdir(parents=True)
+    (path / DEMO_MARKER).write_text("created by `deltastore demo`: emptied by the next one\n")
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -91,8 +114,10 @@ def run_demo(
     ``receivers`` fresh subscribers after each, comparing them bit-wise with the trainer.
 
     ``config`` is a model shape or a size name of :data:`deltastore.testing.sizes.SIZES`.
-    ``store`` defaults to ``./deltastore-demo`` (emptied first); a given store continues
-    after its newest version with a new anchor.
+    ``store`` defaults to ``./deltastore-demo``, emptied first when an earlier demo created
+    it (see :func:`_fresh_default_store`: its versions, anchor copies and the receivers'
+    leases go; a folder the demo did not create is refused); a given store continues after
+    its newest version with a new anchor.
     """
     if versions < 1 or receivers < 1:
         raise ValueError("versions and receivers must be at least 1")
