@@ -21,6 +21,7 @@ from deltastore.format.checksum import (
     adler32,
     apply_delta,
     combine,
+    combine_frames,
     delta_sums,
     shift_to_outer,
 )
@@ -113,6 +114,22 @@ def test_combine_folds_many_pieces(seed: int, cuts: list[int]) -> None:
     for a, b in pairwise(bounds):
         total = combine(total, z(data[a:b]), b - a)
     assert total == z(data)
+
+
+@SETTINGS
+@given(seed=SEEDS, cuts=st.lists(LENGTHS, max_size=8))
+@example(seed=0, cuts=[])
+@example(seed=1, cuts=[0, 0, 0])
+@example(seed=2, cuts=[MOD, MOD, 2 * MOD + 1])
+def test_combine_frames_equals_zlib_of_the_concatenation(seed: int, cuts: list[int]) -> None:
+    """The one "combine frame Adlers" of publisher, shard coordinator and subscriber: pieces
+    of any length (empty ones too, none at all) in order give zlib's Adler-32 of all the
+    bytes."""
+    data = rand_bytes(seed, max(cuts, default=0))
+    bounds = [0, *sorted(cuts), len(data)]
+    pieces = [data[a:b] for a, b in pairwise(bounds)]
+    assert combine_frames((z(p), len(p)) for p in pieces) == z(data)
+    assert combine_frames([]) == 1 == z(b"")
 
 
 def test_combine_extreme_checksums() -> None:

@@ -313,15 +313,15 @@ def test_unsafe_commit_read_back_detects_another_publishers_manifest(
     Publisher(store, unsafe_commits=True).publish(tensors(1), version=1)
     pub = Publisher(store, unsafe_commits=True)
     pub.attach(tensors(1))
-    import deltastore.publish.publisher as publisher_module
+    import deltastore.publish.commit as commit_module  # the one commit sequence
 
-    advance = publisher_module.advance_latest
+    advance = commit_module.advance_latest
 
     def late(target: Any, version: int, body: bytes, **kwargs: Any) -> None:
         advance(target, version, body, **kwargs)
         store.put(manifest_key(version), body.replace(pub.token.encode(), b"f" * 32))
 
-    monkeypatch.setattr(publisher_module, "advance_latest", late)
+    monkeypatch.setattr(commit_module, "advance_latest", late)
     with pytest.raises(ForkError):
         pub.publish(tensors(3), version=3)
 
@@ -329,17 +329,17 @@ def test_unsafe_commit_read_back_detects_another_publishers_manifest(
 def test_cli_publish_reports_a_fork_with_a_non_zero_exit(
     gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    import deltastore.publish.publisher as publisher_module
+    import deltastore.publish.commit as commit_module  # the one commit sequence
 
     url = f"gs://e2e/{uuid.uuid4().hex[:8]}"
-    commit = publisher_module.commit_manifest
+    commit = commit_module.commit_manifest
 
     def overwritten(store: Any, **kwargs: Any) -> Any:
         manifest, body = commit(store, **kwargs)  # then another publisher's commit lands
         store.put(manifest_key(manifest.version), body.replace(kwargs["token"].encode(), b"0" * 32))
         return manifest, body
 
-    monkeypatch.setattr(publisher_module, "commit_manifest", overwritten)
+    monkeypatch.setattr(commit_module, "commit_manifest", overwritten)
     ckpt = checkpoint(tmp_path / "ckpt", 1)
     result = cli(
         "publish", url, ckpt, "--version", "1", "--unsafe-commits", *gcs_options(gcs_endpoint)

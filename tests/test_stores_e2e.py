@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import deltastore.publish.publisher
+import deltastore.publish.commit
 from deltastore import Publisher, StoreError, Subscriber
 from deltastore.format.manifest import LATEST_KEY, manifest_key, parse_latest
 from deltastore.publish.commit import advance_latest
@@ -156,7 +156,7 @@ def test_poll_finds_a_version_committed_without_latest(
     pub.publish(states[0], version=1)
     assert sub.latest() == 1
     monkeypatch.setattr(  # the publisher died between its commit and LATEST
-        deltastore.publish.publisher, "advance_latest", lambda store, version, body, **_: None
+        deltastore.publish.commit, "advance_latest", lambda store, version, body, **_: None
     )
     pub.publish(states[1], version=2)
     assert parse_latest(store.get(LATEST_KEY)).version == 1

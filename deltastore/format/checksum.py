@@ -12,6 +12,7 @@ before multiplying, so nothing overflows.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -33,6 +34,16 @@ def combine(adler1: int, adler2: int, len2: int) -> int:
     a = (a1 + a2 - 1) % MOD
     b = (b1 + b2 + rem * a1 - rem) % MOD
     return (b << 16) | a
+
+
+def combine_frames(parts: Iterable[tuple[int, int]]) -> int:
+    """Adler-32 of consecutive buffers joined in order, from each one's ``(adler32, nbytes)``
+    (e.g. a tensor's frames, or writers' slices of it, in element order); 1, the Adler-32 of
+    no bytes, when there are none. O(number of parts): no byte is read."""
+    total = 1
+    for adler, nbytes in parts:
+        total = combine(total, adler, nbytes)
+    return total
 
 
 def delta_sums(

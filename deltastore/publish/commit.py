@@ -1,14 +1,22 @@
-"""The commit protocol shared by :class:`~deltastore.publish.publisher.Publisher` and the sharded
-writers: the store's head, version numbers, creating a manifest (the commit point) and
-advancing ``LATEST``. Functions are stateless; each store call is one request."""
+"""The commit protocol (spec section 4.2) of :class:`~deltastore.publish.publisher.Publisher`
+and of the sharded writers' coordinator (:func:`~deltastore.publish.parts.commit_parts`):
+:func:`commit_version` is the one commit sequence both run once their data objects are stored
+(the head check, creating the manifest: the commit point, the anchor copy, ``LATEST``); the
+functions it is made of, the store's head and version numbers are here too. Functions are
+stateless; each store call is one request."""
 
 from __future__ import annotations
 
 import enum
 import hashlib
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Literal
+from functools import partial
+from typing import Literal, cast
+
+from pydantic import ValidationError
 
 from deltastore._version import __version__
 from deltastore.catalog.chain import ChainReader
@@ -38,10 +46,12 @@ from deltastore.format.manifest import (
     Writer,
     parse_latest,
     state_digest,
+    validation_summary,
 )
 from deltastore.format.signing import SigningKey, sign_manifest
 from deltastore.publish.policy import AnchorCosts
 from deltastore.store import Store
+from deltastore.store.counting import concurrently
 
 log = logging.getLogger("deltastore.publish.publisher")
 
@@ -327,7 +337,99 @@ def advance_latest(
     log.warning("version %d is committed but LATEST could not be advanced", version)
 
 
+@dataclass(frozen=True)
+class Committed:
+    """What :func:`commit_version` committed: the manifest, its bytes (what ``LATEST``'s
+    SHA-256 names) and the anchor copy written beside it (None: none asked for, or it could
+    not be written)."""
+
+    manifest: Manifest
+    body: bytes
+    copy: Manifest | None = None
+
+
+def commit_version(
+    store: Store,
+    *,
+    version: int,
+    kind: Literal["anchor", "delta"],
+    parent: Parent | None,
+    entries: dict[str, TensorEntry],
+    token: str,
+    signing_key: SigningKey | None,
+    enforced: bool,
+    check: Callable[[], object],
+    copy_entries: dict[str, TensorEntry] | None = None,
+    abort: Callable[[DeltastoreError], object] | None = None,
+) -> Committed:
+    """The commit sequence, run once every data object of ``version`` is stored (spec
+    section 4.2; docs/design/architecture.md, Publish): the one implementation of the
+    publisher and of the sharded writers' coordinator.
+
+    1. One round trip: ``check()``, which raises unless ``version`` can still be committed
+       (the publisher's :func:`check_head`; the coordinator's own check), and ``LATEST`` read
+       ahead with its change token (:func:`read_latest`).
+    2. The manifest, signed with ``signing_key`` when given, created with ``put_if_absent``
+       (:func:`commit_manifest`): the commit point.
+    3. On a store that does not enforce create-if-absent (``enforced`` False, see
+       :func:`conditional_writes`): the manifest read back (:func:`confirm_commit`).
+    4. One round trip: ``LATEST`` advanced by compare-and-swap (:func:`advance_latest`) and,
+       given ``copy_entries``, the anchor copy (:func:`write_anchor_copy`); both best effort.
+    5. Not ``enforced``: the manifest read back again.
+
+    Errors of steps 1 and 2 mean nothing was committed: they are raised after ``abort(error)``
+    (when given), except :class:`VersionExistsError` (the version is another writer's, there
+    is nothing to give up); a manifest the model rejects raises :class:`ManifestError`.
+    :class:`ForkError` from steps 3 and 5: the version was committed, but not only by this
+    writer."""
+    try:
+        concurrent = concurrently([check, partial(read_latest, store)])
+        current = cast("tuple[bytes, str] | Unread | None", concurrent[1])
+        manifest, body = commit_manifest(
+            store,
+            version=version,
+            kind=kind,
+            parent=parent,
+            entries=entries,
+            token=token,
+            signing_key=signing_key,
+        )
+    except VersionExistsError:
+        raise
+    except ValidationError as exc:
+        error = ManifestError(f"version {version}: {validation_summary(exc)}")
+        if abort is not None:
+            abort(error)
+        raise error from None
+    except DeltastoreError as exc:
+        if abort is not None:
+            abort(exc)
+        raise
+    if not enforced:  # nothing stopped a second writer: read back, before and after
+        confirm_commit(store, version, body)
+    after: list[Callable[[], object]] = [
+        partial(advance_latest, store, version, body, current=current)
+    ]
+    if copy_entries is not None:
+        after.append(
+            partial(
+                write_anchor_copy,
+                store,
+                version=version,
+                entries=copy_entries,
+                token=token,
+                signing_key=signing_key,
+            )
+        )
+    done = concurrently(after)
+    copy = cast("Manifest | None", done[1]) if len(done) > 1 else None
+    if not enforced:
+        confirm_commit(store, version, body)
+    return Committed(manifest, body, copy)
+
+
 __all__ = [
+    "Committed",
     "Unread",
     "advance_latest",
     "build_manifest",
@@ -335,6 +437,7 @@ __all__ = [
     "check_head",
     "check_version_number",
     "commit_manifest",
+    "commit_version",
     "conditional_writes",
     "confirm_commit",
     "head_version",

@@ -12,6 +12,7 @@ import math
 import os
 import time
 from collections.abc import Mapping
+from functools import partial
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -29,7 +30,7 @@ from deltastore.errors import (
     WrongParentError,
 )
 from deltastore.format.chain import PARENT_ADLER32, PARENT_DIGEST, PARENT_TABLE, State, link_misfits
-from deltastore.format.checksum import combine
+from deltastore.format.checksum import combine_frames
 from deltastore.format.codecs import NEW_WORDS_CODECS
 from deltastore.format.dtypes import itemsize
 from deltastore.format.keys import data_prefix, manifest_key
@@ -50,11 +51,9 @@ from deltastore.format.manifest import (
 )
 from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys
 from deltastore.publish.commit import (
-    advance_latest,
     check_version_number,
-    commit_manifest,
+    commit_version,
     conditional_writes,
-    confirm_commit,
     head_version,
 )
 from deltastore.publish.snapshot import row_range
@@ -206,9 +205,6 @@ def wait_committed(store: Store, version: int, timeout_s: float, poll_s: float) 
         time.sleep(poll_s)
 
 
-# --- writer ------------------------------------------------------------------------------
-
-
 # --- coordinator -------------------------------------------------------------------------
 
 
@@ -249,35 +245,33 @@ def commit_parts(
     store = open_store(url, storage_options)
     enforced = conditional_writes(store, unsafe_commits=unsafe_commits)
     _check_open(store, version)
+    abort = partial(_abort, store, version)
     try:
         parts = _wait_for_parts(store, version, world, timeout_s, poll_s)
         parent, entries = _join_parts(parts)
         if parent is not None:
             _check_parent(store, version, parent, entries)
-        _check_open(store, version)
-        manifest, body = commit_manifest(
-            store,
-            version=version,
-            kind="delta" if parent is not None else "anchor",
-            parent=parent,
-            entries=entries,
-            token=parts[0].token,
-            signing_key=keys[0] if keys else None,
-        )
     except VersionExistsError:
         raise
     except ValidationError as exc:
         error = ManifestError(f"version {version}: {validation_summary(exc)}")
-        _abort(store, version, error)
+        abort(error)
         raise error from None
     except DeltastoreError as exc:
-        _abort(store, version, exc)
+        abort(exc)
         raise
-    if not enforced:  # nothing stopped a second committer: read back, before and after
-        confirm_commit(store, version, body)
-    advance_latest(store, version, body)
-    if not enforced:
-        confirm_commit(store, version, body)
+    manifest = commit_version(  # checks again that the version is open, then commits
+        store,
+        version=version,
+        kind="delta" if parent is not None else "anchor",
+        parent=parent,
+        entries=entries,
+        token=parts[0].token,
+        signing_key=keys[0] if keys else None,
+        enforced=enforced,
+        check=partial(_check_open, store, version),
+        abort=abort,
+    ).manifest
     for rank in range(world):
         try:
             store.delete(part_key(version, rank, world))
@@ -382,16 +376,17 @@ def _join_slices(name: str, slices: list[tuple[int, PartTensor]]) -> TensorEntry
     if end != rows:
         raise ManifestError(f"{name}: rows [{end}, {rows}) have no writer")
     size = itemsize(first.dtype)
-    adler = parent_adler = 1
-    for _, t in ordered:
-        adler = combine(adler, t.adler32, (t.stop - t.start) * size)
-        if t.parent_adler32 is not None:
-            parent_adler = combine(parent_adler, t.parent_adler32, (t.stop - t.start) * size)
     return TensorEntry(
         dtype=first.dtype,
         shape=first.shape,
-        adler32=adler,
-        parent_adler32=parent_adler if first.parent_adler32 is not None else None,
+        adler32=combine_frames((t.adler32, (t.stop - t.start) * size) for _, t in ordered),
+        parent_adler32=None
+        if first.parent_adler32 is None
+        else combine_frames(
+            (t.parent_adler32, (t.stop - t.start) * size)
+            for _, t in ordered
+            if t.parent_adler32 is not None
+        ),
         changed=sum(t.changed for _, t in ordered),
         frames=[f for _, t in ordered for f in t.frames],
     )

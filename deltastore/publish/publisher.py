@@ -18,10 +18,10 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ from deltastore.errors import (
     TensorMismatchError,
     VersionOrderError,
 )
-from deltastore.format.checksum import adler32, combine
+from deltastore.format.checksum import adler32, combine_frames
 from deltastore.format.codecs import CODEC_SETS, CodecSet
 from deltastore.format.keys import DATA_PREFIX, data_prefix, manifest_key
 from deltastore.format.manifest import (
@@ -51,17 +51,13 @@ from deltastore.format.ratios import SizeRatios
 from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys, verify_manifest
 from deltastore.progress import ProgressFn, Ticker
 from deltastore.publish.commit import (
-    advance_latest,
     chain_costs,
     check_head,
     check_version_number,
-    commit_manifest,
+    commit_version,
     conditional_writes,
-    confirm_commit,
     head_version,
-    read_latest,
     stored_bytes,
-    write_anchor_copy,
 )
 from deltastore.publish.encode import FrameEncoders, FrameJob
 from deltastore.publish.policy import AnchorCosts, AnchorPolicy
@@ -76,7 +72,7 @@ from deltastore.publish.snapshot import (
 )
 from deltastore.publish.upload import PackWriter, Uploads
 from deltastore.store import Store, open_store
-from deltastore.store.counting import CountingStore, concurrently, critical_path
+from deltastore.store.counting import CountingStore, critical_path
 from deltastore.tensors.dtypes import dtype_name, np_words
 from deltastore.tensors.tables import check_table, raise_if_mismatched
 
@@ -227,9 +223,9 @@ class ChainWriter:
         size = words.dtype.itemsize
         bounds = self._frames_of(words.size, size)
         frames = [adler32(words[a:b]) for a, b in bounds]
-        total = 1
-        for (a, b), fa in zip(bounds, frames, strict=True):
-            total = combine(total, fa, (b - a) * size)
+        total = combine_frames(
+            (fa, (b - a) * size) for fa, (a, b) in zip(frames, bounds, strict=True)
+        )
         return TensorSums(frames, total)
 
     # --- attach -------------------------------------------------------------------------
@@ -358,7 +354,7 @@ class ChainWriter:
             frames: list[Frame] = []
             copy_frames: list[Frame] = []
             frame_adler: list[int] = []
-            total_adler, changed_total = 1, 0
+            changed_total = 0
             for i, (a, b) in enumerate(grids[name]):
                 out = next(results)
                 pending.detect_s += out.detect_s
@@ -401,9 +397,12 @@ class ChainWriter:
                     pending.updates.append(HeldChange(prev.words, out.pos + a, new_at))
                 frame_adler.append(out.adler)
                 ticker.tick((b - a) * words.dtype.itemsize)
-                total_adler = combine(total_adler, out.adler, (b - a) * words.dtype.itemsize)
                 changed_total += out.changed
             pending.frame_adler[name] = frame_adler
+            total_adler = combine_frames(
+                (fa, (b - a) * words.dtype.itemsize)
+                for fa, (a, b) in zip(frame_adler, grids[name], strict=True)
+            )
             pending.entries[name] = TensorEntry(
                 dtype=specs[name][0],
                 shape=specs[name][1],
@@ -610,41 +609,20 @@ class Publisher(ChainWriter):
         host = {n: np_words(t.detach().cpu().contiguous()) for n, t in tensors.items()}
         pending = self._encode(version, host, table, parent_state, kind, progress, full=full)
         t0 = time.perf_counter()
-        # one round trip: the head check (a zombie publisher stops here) and LATEST's token
-        current = concurrently(
-            [partial(check_head, self._io, version, parent), partial(read_latest, self._io)]
-        )[1]
-        signing = self._signing[0] if self._signing else None
-        manifest, body = commit_manifest(
+        # the head check (a zombie publisher stops there), the commit, the anchor copy, LATEST
+        committed = commit_version(
             self._io,
             version=version,
             kind=kind,
             parent=parent,
             entries=pending.entries,
             token=self.token,
-            signing_key=signing,
+            signing_key=self._signing[0] if self._signing else None,
+            enforced=enforced,
+            check=partial(check_head, self._io, version, parent),
+            copy_entries=pending.copy_entries,
         )
-        if not enforced:  # nothing stopped a second publisher: read back, before and after
-            confirm_commit(self._io, version, body)
-        # committed: its anchor copy and LATEST, in one round trip
-        after: list[Callable[[], object]] = [
-            partial(advance_latest, self._io, version, body, current=current)
-        ]
-        if pending.copy_entries is not None:
-            after.append(
-                partial(
-                    write_anchor_copy,
-                    self._io,
-                    version=version,
-                    entries=pending.copy_entries,
-                    token=self.token,
-                    signing_key=signing,
-                )
-            )
-        done = concurrently(after)
-        copy = cast("Manifest | None", done[1]) if len(done) > 1 else None
-        if not enforced:
-            confirm_commit(self._io, version, body)
+        manifest, body, copy = committed.manifest, committed.body, committed.copy
         pending.upload_s += time.perf_counter() - t0
         self._adopt(manifest, host, pending, incremental=parent is not None)
         stored = manifest.payload_bytes + len(body)  # what a reader fetches: frames, manifest

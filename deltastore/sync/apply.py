@@ -38,7 +38,13 @@ import numpy as np
 import torch
 
 from deltastore.errors import IntegrityError, RankError
-from deltastore.format.checksum import MOD, apply_delta, combine, delta_sums, shift_to_outer
+from deltastore.format.checksum import (
+    MOD,
+    apply_delta,
+    combine_frames,
+    delta_sums,
+    shift_to_outer,
+)
 from deltastore.format.dtypes import itemsize
 from deltastore.format.manifest import Manifest
 from deltastore.sync.fetch import FrameTask
@@ -165,12 +171,11 @@ def frame_totals(m: Manifest, tasks: Sequence[FrameTask], adlers: Sequence[int])
     """Each tensor's Adler-32 combined, in order, from the Adler-32 ``adlers[i]`` of the frame
     of ``tasks[i]`` (a version's frames in tensor and element order, covering each tensor: an
     anchor); 1 (no bytes) for a tensor without frames."""
-    got = dict.fromkeys(m.tensors, 1)
+    frames: dict[str, list[tuple[int, int]]] = {name: [] for name in m.tensors}
     for task, value in zip(tasks, adlers, strict=True):
         f = task.frame
-        nbytes = (f.stop - f.start) * itemsize(task.entry.dtype)
-        got[task.name] = combine(got[task.name], value, nbytes)
-    return got
+        frames[task.name].append((value, (f.stop - f.start) * itemsize(task.entry.dtype)))
+    return {name: combine_frames(parts) for name, parts in frames.items()}
 
 
 def verify_tensors(m: Manifest, got: Mapping[str, int], outcome: str) -> None:
