@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import mmap
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +38,15 @@ from deltastore.bench.dense import (
     parse_layout,
 )
 from deltastore.bench.ops import Differ, RssMeter, digest, flip_positions
-from deltastore.bench.schema import LinkInfo, SyncSample, SyncTimes
+from deltastore.bench.schema import (
+    LinkInfo,
+    PublishSample,
+    PublishTimes,
+    ScalingResult,
+    ScalingSide,
+    SyncSample,
+    SyncTimes,
+)
 from deltastore.publish.publisher import Publisher
 from deltastore.store import LocalStore
 from deltastore_cli import app
@@ -79,12 +88,17 @@ def test_json_is_well_formed(run: tuple[BenchResult, str, Path]) -> None:
             assert p.changed_elements == changed > 0
             assert p.times.payload_bytes > 0 and p.times.total_s > 0
             assert math.isclose(p.bytes_per_changed, p.times.payload_bytes / changed)
-            assert p.rss_extra_bytes >= 0
         for s in sr.sync:
-            assert s.times.total_s > 0 and s.rss_extra_bytes >= 0
+            assert s.times.total_s > 0
         m = sr.median
         assert m.publisher_rss_extra_fraction == m.publisher_rss_extra_bytes / dense_bytes
-        assert sr.publisher_rss_extra_max_bytes >= m.publisher_rss_extra_bytes
+        # the medians and maxima of the raw samples, computed here
+        pub_rss = [p.rss_extra_bytes for p in sr.publish]
+        assert m.publisher_rss_extra_bytes == float(np.median(pub_rss))
+        assert m.subscriber_rss_extra_bytes == float(
+            np.median([s.rss_extra_bytes for s in sr.sync])
+        )
+        assert sr.publisher_rss_extra_max_bytes == max(pub_rss)
         if name != "dense":
             assert sr.methods == {} and all(s.method is None for s in sr.sync)
     assert store.systems["dense"].median.publish.payload_bytes > dense_bytes  # + header
@@ -111,21 +125,79 @@ def test_dense_is_the_fastest_of_its_methods(run: tuple[BenchResult, str, Path])
     assert store.ratios["dense"].sync == pytest.approx(fastest.median.total_s / ds.sync.total_s)
 
 
-def test_ratios_follow_from_the_medians(run: tuple[BenchResult, str, Path]) -> None:
+def _median_of(samples: list[float]) -> float:
+    return float(np.median(samples))
+
+
+def test_ratios_follow_from_the_raw_samples(run: tuple[BenchResult, str, Path]) -> None:
+    """Every ratio against the medians computed here from the raw per-version samples in the
+    JSON (not from the medians the code stored)."""
     res, _, _ = run
     (store,) = res.stores
-    ds = store.systems["deltastore"].median
     assert set(store.ratios) == {"dense", "coo", "xor-dense"}  # never dense-naive
+
+    def med(system: str, side: str, field: str) -> float:
+        samples = getattr(store.systems[system], side)
+        return _median_of([getattr(x.times, field) for x in samples])
+
     for base, r in store.ratios.items():
-        b = store.systems[base].median
-        assert r.payload == pytest.approx(b.publish.payload_bytes / ds.publish.payload_bytes)
-        assert r.publish == pytest.approx(b.publish.total_s / ds.publish.total_s)
-        assert r.sync == pytest.approx(b.sync.total_s / ds.sync.total_s)
+        payload = med(base, "publish", "payload_bytes") / med(
+            "deltastore", "publish", "payload_bytes"
+        )
+        assert r.payload == pytest.approx(payload, rel=1e-12)
+        publish = med(base, "publish", "total_s") / med("deltastore", "publish", "total_s")
+        assert r.publish == pytest.approx(publish, rel=1e-12)
+        sync = med(base, "sync", "total_s") / med("deltastore", "sync", "total_s")
+        assert r.sync == pytest.approx(sync, rel=1e-12)
     assert len(store.detect_bound_s) == VERSIONS
-    bound = store.detect_bound_median_s
-    assert bound is not None and bound == pytest.approx(float(np.median(store.detect_bound_s)))
-    assert store.publish_bound_ratio == pytest.approx(ds.publish.total_s / bound)
-    assert store.pause_fraction == pytest.approx(ds.sync.pause_s / ds.sync.total_s)
+    bound = _median_of(store.detect_bound_s)
+    assert store.detect_bound_median_s == pytest.approx(bound, rel=1e-12)
+    assert store.publish_bound_ratio == pytest.approx(
+        med("deltastore", "publish", "total_s") / bound, rel=1e-12
+    )
+    assert store.pause_fraction == pytest.approx(
+        med("deltastore", "sync", "pause_s") / med("deltastore", "sync", "total_s"), rel=1e-12
+    )
+
+
+def _publish(version: int, payload: int, total_s: float, rss: int) -> PublishSample:
+    times = PublishTimes(
+        payload_bytes=payload, detect_s=0.0, encode_s=0.0, upload_s=0.0, total_s=total_s
+    )
+    return PublishSample(
+        version=version, changed_elements=100, bytes_per_changed=payload / 100, times=times,
+        rss_extra_bytes=rss,
+    )  # fmt: skip
+
+
+def _sync(version: int, total_s: float, pause_s: float, rss: int) -> SyncSample:
+    t = SyncTimes(fetch_s=0, decode_s=0, verify_s=0, apply_s=0, pause_s=pause_s, total_s=total_s)
+    return SyncSample(version=version, times=t, rss_extra_bytes=rss, digest="0", exact=True)
+
+
+def test_medians_and_ratios_of_known_numbers() -> None:
+    """Hand-computed medians (odd and even counts) and ratios of a fixture: a ratio computed
+    from the wrong median, or the wrong way round, fails here."""
+    ours = analysis.medians(
+        [_publish(1, 300, 2.0, 10), _publish(2, 100, 1.0, 30), _publish(3, 200, 4.0, 20)],
+        [_sync(1, 0.5, 0.1, 7), _sync(2, 0.3, 0.3, 5), _sync(3, 0.4, 0.2, 9)],
+        dense_bytes=1000,
+    )
+    assert ours.publish.payload_bytes == 200 and ours.publish.total_s == 2.0
+    assert ours.sync.total_s == 0.4 and ours.sync.pause_s == 0.2
+    assert ours.bytes_per_changed == 2.0
+    assert ours.publisher_rss_extra_bytes == 20 and ours.publisher_rss_extra_fraction == 0.02
+    assert ours.subscriber_rss_extra_bytes == 7
+    base = analysis.medians(
+        [_publish(1, 5000, 3.0, 40), _publish(2, 1000, 9.0, 60)],  # even: mean of the middle
+        [_sync(1, 2.0, 1.0, 1), _sync(2, 6.0, 1.0, 3)],
+        dense_bytes=1000,
+    )
+    assert base.publish.payload_bytes == 3000 and base.publish.total_s == 6.0
+    assert base.sync.total_s == 4.0
+    r = analysis.ratios(ours, base)
+    assert r.payload == 15.0 and r.publish == 3.0 and r.sync == 10.0
+    assert r.publisher_rss == 2.5 and r.subscriber_rss == pytest.approx(2 / 7)
 
 
 def test_floors_are_measured_on_the_same_changes(run: tuple[BenchResult, str, Path]) -> None:
@@ -169,6 +241,9 @@ def test_bar_checks(run: tuple[BenchResult, str, Path]) -> None:
         ("scaling with model size", "local"): ("<=", 1.3),
     }
     assert {k: (b.op, b.threshold) for k, b in bars.items()} == expect
+    # --size small: small against itself answers nothing, and is not counted as a pass
+    scaling = bars["scaling with model size", "local"]
+    assert scaling.status == "n/a" and not scaling.passed and scaling.measured is None
     assert bars["payload smaller than coo", None].measured == store.ratios["coo"].payload
     assert bars["sync faster than dense", "local"].measured == store.ratios["dense"].sync
     assert store.systems["dense"].method in bars["sync faster than dense", "local"].what
@@ -176,7 +251,10 @@ def test_bar_checks(run: tuple[BenchResult, str, Path]) -> None:
     assert bars["sync vs receiver floor", "local"].measured == store.floors.sync_floor_ratio
     assert bars["pause vs scatter floor", "local"].measured == store.floors.pause_floor_ratio
     for b in res.bars:
+        if b.status == "n/a":
+            continue
         assert b.measured is not None
+        assert b.status == ("pass" if b.passed else "fail")
         assert (
             b.passed
             == {
@@ -208,7 +286,8 @@ def test_markdown_report(run: tuple[BenchResult, str, Path]) -> None:
     for system in SYSTEMS:
         assert f"| {system} |" in text
     assert "### The bar" in text and "All receivers bit-exact." in text
-    assert text.count("| pass |") + text.count("| FAIL |") == len(res.bars)
+    assert text.count("| pass |") + text.count("| FAIL |") == len(res.bars) - 1
+    assert "| scaling with model size | local | - | <= 1.3 | n/a |" in text
     dense = res.stores[0].systems["dense"]
     assert f"Strongest dense: `{dense.method}`" in text
     assert f"**{dense.method}**" in text  # marked among the methods timed
@@ -236,8 +315,13 @@ def test_performance_doc_is_generated_from_the_json(
     assert f"Strongest dense: `{dense.method}`" in text
     for b in res.bars:
         assert f"| {b.name} | {b.store or '-'} |" in text
-    assert text.count("| pass |") + text.count("| FAIL |") == len(res.bars)
-    failing = [b for b in res.bars if not b.passed]
+    assert text.count("| pass |") + text.count("| FAIL |") == len(res.bars) - 1
+    assert text.count("| n/a |") == 1
+    passed = sum(b.passed for b in res.bars)
+    assert f"{passed} of {len(res.bars) - 1} checks pass (" in text
+    assert "; 1 not applicable to this run)." in text
+    failing = [b for b in res.bars if b.status == "fail"]
+    assert not any(b.name == "scaling with model size" for b in failing)
     assert len(
         [
             line
@@ -410,7 +494,40 @@ def test_differ_compares_bits() -> None:
     d = Differ(chunk_bytes=4)  # chunks of two words
     assert d.positions(old, new).tolist() == [0, 3, 5]  # -0.0 vs +0.0; two NaN payloads
     assert d.count(old, new) == 3
-    assert d.lower_bound([old], [new]) >= 0
+
+
+def test_lower_bound_compares_every_word_of_every_pair() -> None:
+    """The detect lower bound does the detection work: one comparison of every chunk of every
+    pair (counted here by a spy), and refuses pairs that do not match."""
+    seen: list[tuple[int, int, int]] = []
+
+    class Spy(Differ):
+        def _chunks(self, old: np.ndarray, new: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+            for a, ne in super()._chunks(old, new):
+                seen.append((old.size, a, int(np.count_nonzero(ne))))
+                yield a, ne
+
+    rng = np.random.default_rng(0)
+    olds = [rng.integers(-5, 5, n).astype(np.int16) for n in (10, 7)]
+    news = [o.copy() for o in olds]
+    news[0][[0, 9]] += 1
+    news[1][[3]] -= 1
+    bound = Spy(chunk_bytes=6).lower_bound(olds, news)  # chunks of 3 words
+    assert isinstance(bound, float)
+    assert [(n, a) for n, a, _ in seen] == [
+        (10, 0),
+        (10, 3),
+        (10, 6),
+        (10, 9),
+        (7, 0),
+        (7, 3),
+        (7, 6),
+    ]
+    assert sum(c for *_, c in seen) == 3  # every changed word was seen
+    with pytest.raises(ValueError, match="shapes differ"):
+        Differ().lower_bound([olds[0]], [news[1]])
+    with pytest.raises(ValueError, match="shorter"):
+        Differ().lower_bound(olds, news[:1])
 
 
 def test_flip_positions_are_distinct_and_seeded() -> None:
@@ -425,3 +542,37 @@ def test_rss_meter_sees_an_allocation() -> None:
     with RssMeter() as rss, mmap.mmap(-1, 64 << 20) as block:
         np.frombuffer(block, dtype=np.uint8).fill(1)
     assert rss.extra_bytes >= 32 << 20
+
+
+def _scaling(target: str, small_s: float, target_s: float) -> ScalingResult:
+    def side(size: str, t: float) -> ScalingSide:
+        return ScalingSide(size=size, elements=1000, sync_s=[t], median_s=t, exact=True)
+
+    return ScalingResult(
+        changed_elements=10, store="local", small=side("small", small_s),
+        target=side(target, target_s), ratio=target_s / small_s,
+    )  # fmt: skip
+
+
+def test_scaling_check_passes_fails_or_is_not_applicable() -> None:
+    """The scaling check can fail: a larger model whose sync of K changes takes 1.5x the
+    small one's fails, 1.2x passes; small against small is n/a, never a pass."""
+    (fast,) = analysis.bar_checks([], _scaling("medium", 1.0, 1.2))
+    (slow,) = analysis.bar_checks([], _scaling("medium", 1.0, 1.5))
+    (same,) = analysis.bar_checks([], _scaling("small", 1.0, 1.0))
+    assert (fast.status, fast.passed, fast.measured) == ("pass", True, pytest.approx(1.2))
+    assert (slow.status, slow.passed, slow.measured) == ("fail", False, 1.5)
+    assert (same.status, same.passed, same.measured) == ("n/a", False, None)
+    assert "nothing to compare" in same.what
+
+
+def test_bar_check_status_of_older_documents() -> None:
+    """Results written before ``status`` existed read with it from ``passed``; a document
+    whose status and passed disagree is refused."""
+    (slow,) = analysis.bar_checks([], _scaling("medium", 1.0, 1.5))
+    old = json.loads(slow.model_dump_json())
+    del old["status"]
+    assert type(slow).model_validate(old).status == "fail"
+    assert type(slow).model_validate({**old, "passed": True}).status == "pass"
+    with pytest.raises(ValueError, match="status"):
+        type(slow).model_validate({**old, "status": "n/a", "passed": True})

@@ -158,17 +158,32 @@ def holds(value: float, op: str, threshold: float) -> bool:
 
 
 def _check(
-    name: str, store: str | None, measured: float | None, op: str, threshold: float, what: str
+    name: str,
+    store: str | None,
+    measured: float | None,
+    op: str,
+    threshold: float,
+    what: str,
+    *,
+    applicable: bool = True,
 ) -> BarCheck:
-    passed = measured is not None and holds(measured, op, threshold)
+    """A bar check: ``pass`` when ``measured op threshold`` holds, ``fail`` when it does not
+    or nothing was measured, ``n/a`` (measured None) when this run cannot answer it."""
+    if not applicable:
+        status, measured = "n/a", None
+    elif measured is not None and holds(measured, op, threshold):
+        status = "pass"
+    else:
+        status = "fail"
     return BarCheck(
         name=name,
         store=store,
         measured=measured,
         op=op,  # type: ignore[arg-type]
         threshold=threshold,
-        passed=passed,
+        passed=status == "pass",
         what=what,
+        status=status,  # type: ignore[arg-type]
     )
 
 
@@ -216,6 +231,8 @@ def bar_checks(stores: Sequence[StoreResult], scaling: ScalingResult | None) -> 
     for s in with_ds:
         out += _store_checks(s)
     if scaling is not None:
+        # small against small is 1 by construction: that answers nothing (n/a, not a pass)
+        same = scaling.target.size == scaling.small.size
         out.append(
             _check(
                 "scaling with model size",
@@ -224,7 +241,9 @@ def bar_checks(stores: Sequence[StoreResult], scaling: ScalingResult | None) -> 
                 "<=",
                 SCALING_MAX,
                 f"sync of {scaling.changed_elements} changes on {scaling.target.size} / on "
-                f"{scaling.small.size}",
+                f"{scaling.small.size}"
+                + (": the benchmarked size is the small model, nothing to compare" if same else ""),
+                applicable=not same,
             )
         )
     return out

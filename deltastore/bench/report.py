@@ -348,7 +348,7 @@ def _bar_table(result: BenchResult) -> list[str]:
             b.store or "-",
             _measured(b.measured, b.op, b.threshold),
             f"{b.op} {b.threshold:g}",
-            "pass" if b.passed else "FAIL",
+            {"pass": "pass", "fail": "FAIL"}.get(b.status, b.status),
         ]
         for b in result.bars
     ]
@@ -381,7 +381,7 @@ def markdown(result: BenchResult, level: int = 2) -> str:
             f"{sc.small.size} {sc.small.median_s:.3f} s"
         )
         if sc.target.size == sc.small.size:
-            line += " (the benchmarked size is small: ratio 1 by construction)."
+            line += " (the benchmarked size is small: nothing to compare, the check is n/a)."
         else:
             line += f", {sc.target.size} {sc.target.median_s:.3f} s, ratio {sc.ratio:.2f}."
         out += [f"{hh} Scaling", "", line, ""]
@@ -424,14 +424,19 @@ def _summary(result: BenchResult) -> list[str]:
             parts.append(f"pause / scatter floor {_x(s.floors.pause_floor_ratio)}")
         parts.append(f"publish / detect floor {_x(s.publish_bound_ratio)}")
         out.append(f"- **{s.store}**: " + "; ".join(parts) + ".")
-    passed = sum(b.passed for b in result.bars)
-    out.append(f"- The bar: {passed} of {len(result.bars)} checks pass ({_failing(result)}).")
+    passed = sum(b.status == "pass" for b in result.bars)
+    na = sum(b.status == "n/a" for b in result.bars)
+    counted = len(result.bars) - na
+    na_text = f"; {na} not applicable to this run" if na else ""
+    out.append(f"- The bar: {passed} of {counted} checks pass ({_failing(result)}{na_text}).")
     return out
 
 
 def _failing(result: BenchResult) -> str:
     failed = [
-        f"{b.name}" + (f" ({b.store})" if b.store else "") for b in result.bars if not b.passed
+        f"{b.name}" + (f" ({b.store})" if b.store else "")
+        for b in result.bars
+        if b.status == "fail"
     ]
     return "failing: " + ", ".join(failed) if failed else "none fails"
 
@@ -442,7 +447,7 @@ def _left(result: BenchResult) -> list[str]:
         f"- **{b.name}**{f' ({b.store})' if b.store else ''}: "
         f"{_measured(b.measured, b.op, b.threshold)}, bar {b.op} {b.threshold:g} ({b.what})."
         for b in result.bars
-        if not b.passed
+        if b.status == "fail"
     ]
     if not result.exact:
         out.append("- **bit-exactness**: some receiver differs from the workload.")

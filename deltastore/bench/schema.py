@@ -14,14 +14,16 @@ Version 1 documents cannot be read by this model.
 Added in version 2 without a change of meaning (issue 16): request counts (``requests``,
 ``round_trips``: the store requests of a publish or sync and how many of them ran one after
 the other; deltastore's ``commit_round_trips`` after its data objects; deltastore's poll),
-and the shaped link a store was reached through (:class:`LinkInfo`), with the floors it sets.
+and the shaped link a store was reached through (:class:`LinkInfo`), with the floors it sets;
+:attr:`BarCheck.status` (``n/a`` for a check this run cannot answer, which no longer counts
+as passed).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 SCHEMA_VERSION = 2
 
@@ -252,8 +254,16 @@ class ScalingResult(_Model):
     ratio: float
 
 
+BarStatus = Literal["pass", "fail", "n/a"]
+
+
 class BarCheck(_Model):
-    """One point of the performance bar: ``measured op threshold`` must hold."""
+    """One point of the performance bar: ``measured op threshold`` must hold.
+
+    ``status``: ``pass`` (it holds), ``fail`` (it does not, or nothing was measured), ``n/a``
+    (this run cannot answer it: scaling with model size when the benchmarked size is the
+    small model itself; ``measured`` is then None). ``passed`` is ``status == "pass"``.
+    Documents written before ``status`` existed get it from ``passed``."""
 
     name: str
     store: str | None
@@ -262,6 +272,20 @@ class BarCheck(_Model):
     threshold: float
     passed: bool
     what: str
+    status: BarStatus
+
+    @model_validator(mode="before")
+    @classmethod
+    def _status_from_passed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "status" not in data:
+            return {**data, "status": "pass" if data.get("passed") else "fail"}
+        return data
+
+    @model_validator(mode="after")
+    def _passed_agrees(self) -> BarCheck:
+        if self.passed != (self.status == "pass"):
+            raise ValueError(f"bar check {self.name!r}: passed={self.passed}, status {self.status}")
+        return self
 
 
 class Machine(_Model):
