@@ -4,6 +4,7 @@ all-or-nothing write phase with its hooks and its agreement between ranks."""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,7 +15,6 @@ import torch
 import deltastore.tensors.words as words_module
 from deltastore import Publisher
 from deltastore.errors import IntegrityError, RankError
-from deltastore.format.checksum import adler32
 from deltastore.format.manifest import manifest_key, parse_manifest
 from deltastore.sync.apply import (
     Hooks,
@@ -31,6 +31,13 @@ from deltastore.sync.apply import (
 )
 from deltastore.sync.fetch import frame_tasks
 from deltastore.tensors.words import Write
+
+
+def adler32(buf: np.ndarray | bytes) -> int:
+    """zlib's Adler-32 of the actual bytes (little-endian words): the reference every sum the
+    code combines or updates is checked against, never deltastore's own checksum code."""
+    data = buf if isinstance(buf, bytes) else np.ascontiguousarray(buf).astype("<u2").tobytes()
+    return zlib.adler32(data)
 
 
 def words_of(seed: int, n: int) -> np.ndarray:
@@ -91,13 +98,23 @@ def test_totals_add_up_per_tensor() -> None:
 
 
 def test_frame_totals_combine_an_anchors_frames(tmp_path: Path) -> None:
-    tensors = {"a": torch.arange(3000, dtype=torch.int16), "e": torch.zeros(0, dtype=torch.int16)}
+    """Each frame's Adler-32 computed by zlib from the tensor's own bytes, combined by
+    ``frame_totals``, equals zlib's Adler-32 of the whole tensor (and so does the manifest's,
+    which the publisher combined from its frames)."""
+    a = np.random.default_rng(8).integers(0, 1 << 16, 3000, dtype=np.uint16)
+    tensors = {
+        "a": torch.from_numpy(a.view(np.int16).copy()),
+        "e": torch.zeros(0, dtype=torch.int16),
+    }
     Publisher(tmp_path, max_frame_bytes=1024).publish(tensors, version=1)
     m = parse_manifest((tmp_path / manifest_key(1)).read_bytes())
     tasks = frame_tasks(m)
     assert len(tasks) == 6 and {t.name for t in tasks} == {"a"}
-    got = frame_totals(m, tasks, [t.frame.adler32 for t in tasks])
-    assert got == {"a": m.tensors["a"].adler32, "e": 1}
+    frames = [adler32(a[t.frame.start : t.frame.stop]) for t in tasks]
+    assert frames == [t.frame.adler32 for t in tasks]
+    got = frame_totals(m, tasks, frames)
+    assert got == {"a": adler32(a), "e": zlib.adler32(b"")}
+    assert m.tensors["a"].adler32 == adler32(a)
     verify_tensors(m, got, "nothing was written")
     with pytest.raises(IntegrityError, match=r"version 1: 1 tensor\(s\) .*a \(.*nothing was"):
         verify_tensors(m, {**got, "a": got["a"] ^ 1}, "nothing was written")
