@@ -102,6 +102,10 @@ class Plan:
     path: Literal["none", "deltas", "anchor"] = "none"
     path_bytes: int = 0
     other_bytes: int | None = None
+    #: The version whose anchor copy (``anchors/``) is the first step; None: the first step
+    #: is no copy. When the copy's frames fail, the reader plans again without it
+    #: (:meth:`ChainReader.reject_copy`; spec section 9.4).
+    copy: int | None = None
 
 
 class ChainReader:
@@ -133,6 +137,7 @@ class ChainReader:
         self._size = cache
         self._cache: OrderedDict[int, Manifest] = OrderedDict()
         self._copies: dict[int, Manifest] = {}  # anchor copies read, oldest first
+        self._rejected: dict[int, str] = {}  # copies whose frames failed: never used again
         self._seen: int | None = None  # newest committed version seen (listed or noted)
         self._known: set[int] = set()  # committed versions listed (above the first floor)
         self._floor = -1  # plan(): versions at or below it are not read ahead
@@ -393,7 +398,11 @@ class ChainReader:
         above the held version; all of them without one); None: listed here when needed.
         What the walk will read is read in parallel first (:meth:`_read_ahead`)."""
         self._floor = -1 if held is None else held.version
+        if copies is not None and self._rejected:
+            copies = copies.difference(self._rejected)
         copies = self._read_ahead(target, held, copies)
+        if copies is not None and self._rejected:
+            copies = copies.difference(self._rejected)
         m = self.manifest(target)
         why: str | None = None
         if held is not None and target == held.version:
@@ -405,7 +414,7 @@ class ChainReader:
         if held is not None and m.kind == "delta" and held.fits(m):
             return Plan((m,), None, "deltas", m.payload_bytes)
         if copies is None:
-            copies = set(self.anchor_versions())
+            copies = set(self.anchor_versions()).difference(self._rejected)
         walked: list[Manifest] = []  # from the target down
         copy: tuple[int, Manifest] | None = None  # (index in walked, the newest copy on the chain)
         reached = False  # the walk reached the held version
@@ -442,13 +451,28 @@ class ChainReader:
                     break  # the deltas below cost more than the copy already
             try:
                 m = self._parent(target, m, why)
-            except (ChainError, WrongParentError):
+            except (ChainError, WrongParentError, ManifestError, SignatureError) as exc:
+                # below a usable copy the chain is gone (retention) or damaged: the target
+                # is reached from the copy, not through the damage (spec section 10.1)
                 if copy is None:
                     raise
                 gone = m.parent.version if m.parent is not None else m.version
+                if isinstance(exc, (ManifestError, SignatureError)):
+                    log.warning(
+                        "store %s: the manifest of version %d is damaged (%s); starting from "
+                        "the anchor copy of version %d above it",
+                        self.store.url,
+                        gone,
+                        exc,
+                        copy[1].version,
+                    )
                 why = why or (
-                    f"version {gone} on the way from the held version to {target} is not in "
-                    "the store any more (deleted by retention?)"
+                    f"version {gone} on the way from the held version to {target} is "
+                    + (
+                        "damaged"
+                        if isinstance(exc, (ManifestError, SignatureError))
+                        else "not in the store any more (deleted by retention?)"
+                    )
                 )
                 held = None
                 break
@@ -457,7 +481,7 @@ class ChainReader:
         if copy is not None and via_copy is not None and (deltas is None or via_copy < deltas):
             i, c = copy
             other = deltas if reached else _bytes(walked) if walked[-1].kind == "anchor" else None
-            return Plan((c, *reversed(walked[:i])), why, "anchor", via_copy, other)
+            return Plan((c, *reversed(walked[:i])), why, "anchor", via_copy, other, c.version)
         walked.reverse()
         return Plan(tuple(walked), why, "deltas" if reached else "anchor", _bytes(walked), via_copy)
 
@@ -523,9 +547,14 @@ class ChainReader:
             return None
 
     def usable_copy(self, m: Manifest) -> Manifest | None:
-        """The anchor copy of ``m``'s version when it holds ``m``'s state, ``m`` being the
-        version's committed manifest (None otherwise: absent, damaged, or of another state,
-        logged; other store errors are raised). Spec section 9.4."""
+        """The anchor copy of ``m``'s version when it is usable (spec section 9.4): ``m`` is
+        the version's committed manifest, read and checked (a damaged manifest has no usable
+        copy), and the copy holds ``m``'s state, has no ``parent`` and was not rejected by
+        :meth:`reject_copy`. None otherwise (absent, damaged, of another state, with a parent,
+        or rejected; logged); other store errors are raised."""
+        if m.version in self._rejected:
+            log.debug("anchor copy of version %d rejected before; ignored", m.version)
+            return None
         try:
             c = self.anchor_copy(m.version)
         except (ObjectNotFoundError, ManifestError, SignatureError) as exc:
@@ -537,7 +566,27 @@ class ChainReader:
                 m.version,
             )
             return None
+        if c.parent is not None:
+            log.warning(
+                "anchor copy of version %d has a parent (version %d; a copy has none); ignored",
+                m.version,
+                c.parent.version,
+            )
+            return None
         return c
+
+    def reject_copy(self, version: int, reason: BaseException | str) -> None:
+        """Never use the anchor copy of ``version`` again: its frames failed (a data object
+        missing, an XXH3-64 or Adler-32 mismatch, a frame that does not decode). Logs a
+        warning naming the copy; the next :meth:`plan` goes without it (spec section 9.4)."""
+        self._rejected[version] = str(reason)
+        self._copies.pop(version, None)
+        log.warning(
+            "store %s: anchor copy %s failed (%s); not used again, falling back to the chain",
+            self.store.url,
+            anchor_key(version),
+            reason,
+        )
 
     def _parent(self, target: int, child: Manifest, why: str | None) -> Manifest:
         """The manifest ``child`` is a delta on, checked to be the state ``child`` names."""

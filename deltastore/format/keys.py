@@ -37,10 +37,21 @@ KEY_PATTERN: Final = rf"^{SEGMENT}(/{SEGMENT})*$"
 OBJECT_PATTERN: Final = rf"^versions/{SEGMENT}(/{SEGMENT})*$"
 #: A manifest key (anchored): ``manifests/`` then 20 decimal digits and ``.json``.
 MANIFEST_KEY_PATTERN: Final = r"^manifests/[0-9]{20}\.json$"
+#: An anchor copy key (anchored): ``anchors/`` then 20 decimal digits and ``.json``.
+ANCHOR_KEY_PATTERN: Final = r"^anchors/[0-9]{20}\.json$"
+#: A reader id: one key segment without the ``.json`` a lease key adds (1-250 characters).
+READER_ID_PATTERN: Final = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,249}$"
+#: A lease key (anchored): ``leases/`` then a reader id and ``.json``.
+LEASE_KEY_PATTERN: Final = r"^leases/[A-Za-z0-9_-][A-Za-z0-9._-]{0,249}\.json$"
+#: The data objects of a version as the reference writer names them (readers locate data
+#: through frames only, spec section 3.2): ``versions/<version:020d>/<prefix>-<seq:06d>.dsz``,
+#: ``<prefix>`` the first 12 characters of the writer's token.
+DATA_OBJECT_PATTERN: Final = r"^versions/[0-9]{20}/[0-9a-f]{12}-[0-9]{6,}\.dsz$"
+#: The data objects of an anchor copy as the reference writer names them:
+#: ``versions/<version:020d>/<prefix>-anchor-<seq:06d>.dsz``.
+ANCHOR_OBJECT_PATTERN: Final = r"^versions/[0-9]{20}/[0-9a-f]{12}-anchor-[0-9]{6,}\.dsz$"
 _MANIFEST_KEY = re.compile(r"manifests/([0-9]{20})\.json")
 _ANCHOR_KEY = re.compile(r"anchors/([0-9]{20})\.json")
-#: A reader id: one key segment without the ``.json`` a lease key adds.
-READER_ID_PATTERN: Final = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,249}$"
 _READER_ID = re.compile(READER_ID_PATTERN)
 _LEASE_KEY = re.compile(r"leases/([A-Za-z0-9_-][A-Za-z0-9._-]{0,249})\.json")
 

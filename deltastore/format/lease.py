@@ -22,6 +22,9 @@ from deltastore.format.manifest import Version, _Model, load_json, validation_su
 
 #: Largest lease object readers of leases accept, in bytes.
 MAX_LEASE_BYTES: Final = 4096
+#: Seconds after its ``expires`` that a deleter still counts a lease as live, for clock skew
+#: between readers and the deleter (spec section 11.1: the normative default).
+LEASE_GRACE_S: Final = 60.0
 _TIME = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?Z$")
 _FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
@@ -84,4 +87,4 @@ def parse_lease(data: bytes, *, key: str = "lease") -> Lease:
         raise ManifestError(f"{key} is malformed: {validation_summary(exc)}") from None
 
 
-__all__ = ["MAX_LEASE_BYTES", "Lease", "parse_lease", "parse_time", "utc_text"]
+__all__ = ["LEASE_GRACE_S", "MAX_LEASE_BYTES", "Lease", "parse_lease", "parse_time", "utc_text"]

@@ -40,14 +40,15 @@ from deltastore.format.keys import (
     manifest_key,
     reader_of_lease_key,
 )
-from deltastore.format.lease import parse_lease
+from deltastore.format.lease import LEASE_GRACE_S, parse_lease
 from deltastore.format.manifest import Manifest
 from deltastore.store import Store
 
 log = logging.getLogger(__name__)
 
-#: Seconds after its ``expires`` that a lease still counts as live (clock skew).
-DEFAULT_LEASE_GRACE_S = 60.0
+#: Seconds after its ``expires`` that a lease still counts as live (clock skew; spec
+#: section 11.1).
+DEFAULT_LEASE_GRACE_S = LEASE_GRACE_S
 
 _VERSION_FOLDER = re.compile(r"versions/([0-9]{20})/")
 

@@ -197,10 +197,12 @@ class _Ref:
     version: int
     tensor: str
     frame: Frame
+    copy: bool = False  # a frame of the version's anchor copy, not of its manifest
 
     @property
     def where(self) -> str:
-        return f"{self.tensor}[{self.frame.start}:{self.frame.stop}]"
+        frame = f"{self.tensor}[{self.frame.start}:{self.frame.stop}]"
+        return f"{frame} of anchor copy {anchor_key(self.version)}" if self.copy else frame
 
 
 def verify_store(
@@ -230,8 +232,9 @@ def verify_store(
     copies = _usable_copies(chain, problems)
     _check_chains(chain.listed, manifests, problems, set(copies))
     refs = [
-        _Ref(v, name, f)
-        for v, m in [*sorted(manifests.items()), *sorted(copies.items())]
+        _Ref(v, name, f, copy)
+        for copy, found in ((False, manifests), (True, copies))
+        for v, m in sorted(found.items())
         for name, e in m.tensors.items()
         for f in e.frames
     ]
@@ -356,11 +359,12 @@ def _check_objects(
                 data = store.get_range(key, f.offset, f.length)
             except ObjectNotFoundError:
                 tensors = sorted({r.tensor for r in frames})
+                of = f" of anchor copy {anchor_key(versions[0])}" if frames[0].copy else ""
                 found.add(
                     MISSING_OBJECT,
                     versions[0],
                     key,
-                    f"missing; {len(frames)} frames of {len(tensors)} tensors "
+                    f"missing; {len(frames)} frames{of} of {len(tensors)} tensors "
                     f"({', '.join(tensors[:3])}{', …' if len(tensors) > 3 else ''}) are in it",
                 )
                 ticker.tick(sum(r.frame.length for r in frames), len(frames))

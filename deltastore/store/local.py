@@ -5,7 +5,8 @@ folder, fsync it, ``os.link`` it to the final name (which fails if the name exis
 create-if-absent, unlike ``pipe_file(mode="create")``), fsync the folder. Replacements use
 ``os.replace``. The compare-and-swap of :meth:`LocalStore.put_if_match` holds an
 ``fcntl.flock`` on ``<root>/.deltastore.lock``. Temp and lock files start with ``.`` and are
-never keys.
+never keys. A delete removes the folders it leaves empty, up to the root; a writer makes a
+folder again when such a delete removed it under it (spec section 2).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import xxhash
 
@@ -34,6 +36,26 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+#: How often a writer creates its folder again when a delete removed it meanwhile.
+_FOLDER_RACE_RETRIES = 16
+
+
+def _create(tmp: Path) -> BinaryIO:
+    """Open the new file ``tmp`` for writing (``x``: never an existing one), creating its
+    folders first. A delete removes the folders it empties (:meth:`LocalStore.delete`), so a
+    folder made here can be gone before the file is created in it: then it is made again,
+    up to :data:`_FOLDER_RACE_RETRIES` times. Once the file exists, its folder is not empty
+    and no delete removes it."""
+    for _ in range(_FOLDER_RACE_RETRIES):
+        try:
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            return open(tmp, "xb")
+        except FileNotFoundError:  # a delete removed a folder on the way: make it again
+            continue
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    return open(tmp, "xb")
 
 
 class LocalStore(Store):
@@ -72,7 +94,7 @@ class LocalStore(Store):
     def _write_temp(self, path: Path, data: bytes) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as fh:
+        with _create(tmp) as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
@@ -142,6 +164,17 @@ class LocalStore(Store):
         return sorted(keys)
 
     def delete(self, key: str) -> None:
+        """Remove ``key``, then each folder above it that is now empty, up to (not including)
+        the store root: retention leaves no empty ``versions/<v>/`` folder behind (spec
+        section 2). A folder a writer is using holds its temp file, so it is never empty; one
+        removed just after a writer made it is made again by the writer (:func:`_create`)."""
         path = self._path(key)
         with self._errors("delete", key):
             path.unlink()
+        folder = path.parent
+        while folder != self.root and self.root in folder.parents:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (a writer's file), gone already, or not ours to remove
+                return
+            folder = folder.parent

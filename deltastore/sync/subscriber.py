@@ -28,6 +28,7 @@ import torch
 from deltastore.catalog.chain import ChainReader, Plan
 from deltastore.errors import (
     ChainError,
+    FrameError,
     IntegrityError,
     ManifestError,
     ManifestNotFoundError,
@@ -306,12 +307,14 @@ class Subscriber:
         applied: list[Manifest] = []
         verify_s = pause_s = 0.0
         try:
-            for attempt in range(2):
+            replanned = False  # after a planned version's data was gone (retention)
+            while True:
                 self._check_tables(list(plan.steps))
                 base = plan.steps[0].version if plan.path == "anchor" else self._version
                 leased = self._lease.version
                 if base is not None and (leased is None or base < leased):
                     self._lease.hold(base)  # before fetching: the versions from base up
+                done = len(applied)
                 try:
                     for m in plan.steps:
                         if m is plan.steps[-1]:  # the lease moves up while its frames come
@@ -322,8 +325,16 @@ class Subscriber:
                         if on_version is not None:
                             on_version(m)
                     break
-                except ObjectNotFoundError as exc:
-                    if attempt or self._group.world > 1 or isinstance(exc, ManifestNotFoundError):
+                except (ObjectNotFoundError, FrameError, IntegrityError) as exc:
+                    if self._group.world > 1 or isinstance(exc, ManifestNotFoundError):
+                        raise
+                    if plan.copy is not None and len(applied) == done:
+                        # the anchor copy's frames failed, verified before any write: the
+                        # state is as before; plan again without it (spec section 9.4)
+                        self._chain.reject_copy(plan.copy, exc)
+                        plan = self._fallback(target, exc)
+                        continue
+                    if replanned or not isinstance(exc, ObjectNotFoundError):
                         raise
                     # a planned version's data is gone (retention): plan again from here
                     log.warning(
@@ -332,6 +343,7 @@ class Subscriber:
                         exc,
                         self._version,
                     )
+                    replanned = True
                     self._chain.forget(None)
                     plan = self._plan(target)
         except Exception:
@@ -383,6 +395,22 @@ class Subscriber:
                 target,
             )
         return plan
+
+    def _fallback(self, target: int, failed: Exception) -> Plan:
+        """The plan to ``target`` without the anchor copy whose frames just failed
+        (``failed``): the chain from the held version, or from an older anchor or copy. When
+        there is none, ``failed`` is raised (what was wrong with the copy), after a warning
+        that says why no other path exists."""
+        try:
+            return self._plan(target)
+        except (ChainError, ManifestError, ObjectNotFoundError, IntegrityError) as exc:
+            log.warning(
+                "store %s: no other path to version %d than the failed anchor copy (%s)",
+                self.store.url,
+                target,
+                exc,
+            )
+            raise failed from exc
 
     def _check_tables(self, steps: list[Manifest]) -> None:
         """Before anything is fetched: a change of the tensor table along ``steps`` needs an
