@@ -275,3 +275,100 @@ def test_kept_module_paths_work_without_a_warning(tmp_path: Path) -> None:
         store = importlib.import_module("deltastore.store")
         assert store.open_store is importlib.import_module("deltastore").open_store
         assert isinstance(store.open_store(tmp_path / "s"), store.LocalStore)
+
+
+# --- code shape: one implementation of each shared step ---------------------------------
+
+
+def library_sources() -> dict[str, ast.Module]:
+    """Every module of the library, by path relative to the repository root."""
+    return {
+        str(p.relative_to(ROOT)): ast.parse(p.read_text(), str(p))
+        for p in sorted(LIBRARY.rglob("*.py"))
+    }
+
+
+def callers(name: str) -> set[str]:
+    """Library modules that use a function named ``name`` (``name(...)``, ``x.name(...)``,
+    ``partial(name, ...)``: any read of the name but its import and its definition)."""
+    found = set()
+    for path, tree in library_sources().items():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Name) and node.id == name) or (
+                isinstance(node, ast.Attribute) and node.attr == name
+            ):
+                found.add(path)
+    return found
+
+
+@pytest.mark.parametrize(
+    "step",
+    ["commit_manifest", "confirm_commit", "read_latest", "advance_latest", "write_anchor_copy"],
+)
+def test_one_commit_sequence(step: str) -> None:
+    """The commit sequence (head check with LATEST read ahead, manifest create, read-backs,
+    anchor copy and LATEST) is written once, ``publish.commit.commit_version``, which the
+    publisher and ``commit_parts`` call: no other module runs its steps itself."""
+    assert callers(step) == {"deltastore/publish/commit.py"}
+    assert callers("commit_version") == {
+        "deltastore/publish/publisher.py",
+        "deltastore/publish/parts.py",
+    }
+
+
+def test_one_fold_of_frame_adlers() -> None:
+    """Adler-32s of consecutive frames or slices are joined by ``checksum.combine_frames``
+    only: ``combine`` itself is called nowhere else."""
+    assert callers("combine") == {"deltastore/format/checksum.py"}
+    assert callers("combine_frames") >= {
+        "deltastore/publish/publisher.py",
+        "deltastore/publish/parts.py",
+        "deltastore/sync/apply.py",
+    }
+
+
+def test_one_codec_table() -> None:
+    """No module compares a value with a codec name (``codec == XOR_SPARSE``,
+    ``codec in (RAW, XOR_DENSE)``, ``== "raw"``): every codec-specific choice is a property
+    or a callable of its row in ``codecs.CODEC_TABLE``."""
+    from deltastore.format.codecs import CODEC_TABLE, CODECS
+
+    names = {"RAW", "XOR_DENSE", "XOR_SPARSE", "XOR_SPARSE2", "RAW_PLANES"}
+
+    def is_codec(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in CODECS
+        if isinstance(node, ast.Name | ast.Attribute):
+            return (node.id if isinstance(node, ast.Name) else node.attr) in names
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return any(is_codec(e) for e in node.elts)
+        return False
+
+    found = [
+        f"{path}:{node.lineno}"
+        for path, tree in library_sources().items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Compare) and any(map(is_codec, [node.left, *node.comparators]))
+    ]
+    assert found == []
+    assert tuple(CODEC_TABLE) == CODECS
+    assert all(spec.name == name for name, spec in CODEC_TABLE.items())
+
+
+def test_one_frame_size_bound() -> None:
+    """The stored length of a frame is bounded by ``codecs.stored_bound`` only (what readers
+    check before fetching; the zstd bound is applied nowhere else), and the largest frame is
+    one constant, the publisher's cap and the subscriber's default limit."""
+    import inspect
+
+    from deltastore.format import codecs
+    from deltastore.format.codecs import v2
+    from deltastore.publish import publisher
+    from deltastore.sync.subscriber import Subscriber
+
+    assert callers("compress_bound") == {"deltastore/format/codecs/__init__.py"}
+    assert callers("stored_bound") >= {"deltastore/sync/stage.py"}
+    assert not hasattr(v2, "stored_bound")
+    default = inspect.signature(Subscriber).parameters["max_frame_bytes"].default
+    assert default == publisher.MAX_FRAME_BYTES == codecs.MAX_FRAME_BYTES
+    assert publisher.MAX_FRAME_BYTES is codecs.MAX_FRAME_BYTES  # imported, not a copy

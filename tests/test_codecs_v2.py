@@ -27,6 +27,7 @@ from deltastore.format.codecs import (
     XOR_SPARSE,
     FrameDecoder,
     FrameEncoder,
+    stored_bound,
 )
 from deltastore.format.codecs import (
     v2 as codecs_v2,
@@ -47,7 +48,6 @@ from deltastore.format.codecs.v2 import (
     sparse2_bounds,
     sparse2_possible,
     sparse2_size,
-    stored_bound,
 )
 from deltastore.format.codecs.zstdframe import frame_length
 from deltastore.format.dtypes import word_dtype

@@ -35,7 +35,7 @@ from deltastore.errors import (
     VersionOrderError,
 )
 from deltastore.format.checksum import adler32, combine_frames
-from deltastore.format.codecs import CODEC_SETS, CodecSet
+from deltastore.format.codecs import CODEC_SETS, MAX_FRAME_BYTES, CodecSet
 from deltastore.format.keys import DATA_PREFIX, data_prefix, manifest_key
 from deltastore.format.manifest import (
     MAX_DIMS,
@@ -80,8 +80,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
 DEFAULT_MAX_OBJECT_BYTES = 64 << 20
-#: Largest frame a publisher writes (bytes): what subscribers accept by default.
-MAX_FRAME_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 
 from deltastore.errors import FrameError, IntegrityError, ManifestError
 from deltastore.format.checksum import adler32
-from deltastore.format.codecs import FrameDecoder, compress_bound, content_bound
+from deltastore.format.codecs import FrameDecoder, stored_bound
 from deltastore.format.dtypes import itemsize
 from deltastore.format.manifest import Manifest
 from deltastore.sync.apply import Sums, Update, contribution, stage_at, stage_run
@@ -47,11 +47,12 @@ def check_frames(m: Manifest, max_frame_bytes: int) -> None:
                     f"version {m.version}: a frame of {name} covers {nbytes} bytes, "
                     f"over max_frame_bytes={max_frame_bytes}"
                 )
-            content = content_bound(f.codec, f.stop - f.start, size)
-            if f.length > compress_bound(content):
+            bound = stored_bound(f.codec, f.stop - f.start, size, f.changed)
+            if f.length > bound:
                 raise FrameError(
                     f"version {m.version}: a frame of {name} claims {f.length} stored bytes, "
-                    f"more than zstd can produce from {content} bytes; the manifest is damaged"
+                    f"more than the {bound} zstd can produce from its largest content; the "
+                    "manifest is damaged"
                 )
 
 

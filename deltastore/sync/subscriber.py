@@ -38,7 +38,7 @@ from deltastore.errors import (
 )
 from deltastore.format.chain import State
 from deltastore.format.checksum import adler32
-from deltastore.format.codecs import FrameDecoder
+from deltastore.format.codecs import MAX_FRAME_BYTES, FrameDecoder
 from deltastore.format.dtypes import itemsize, word_dtype
 from deltastore.format.manifest import Manifest
 from deltastore.format.ratios import SizeRatios
@@ -155,7 +155,7 @@ class Subscriber:
         device: str | torch.device = "cpu",
         max_workers: int = 4,
         max_inflight_bytes: int = 256 << 20,
-        max_frame_bytes: int = 1 << 30,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
         layout: Layout | None = None,
         group: Any | None = None,
         pause: Callable[[], None] | None = None,

@@ -25,12 +25,16 @@ is exactly one zstd frame whose header carries the content size. Decompressed co
 Decoders never allocate more than the frame's declared size: the zstd content size is checked
 against the bound the manifest implies before anything is decompressed.
 
-This module is the only place that branches on a codec name: receivers take a frame's changes
-from :meth:`FrameDecoder.changes` (or new words from :meth:`FrameDecoder.decode_into`) and
-bound stored frames with :func:`content_bound`; writers pick a frame's codec with
+Every codec is one row of :data:`CODEC_TABLE` (:class:`CodecSpec`: the codec set that first
+writes it, whether its frames carry the new words or XOR masks that need the parent's words,
+its content bounds, its decoder); nothing else branches on a codec name. Receivers take a
+frame's changes from :meth:`FrameDecoder.changes` (or new words from
+:meth:`FrameDecoder.decode_into`) and bound stored frames with :func:`stored_bound` (the one
+bound of a stored length, spec section 8.3); writers pick a frame's codec with
 :meth:`FrameEncoder.encode_delta` and :meth:`FrameEncoder.new_words`, among the codecs of the
 :data:`CodecSet` they write (``"v1"``: what deltastore 0.1.0 reads; ``"v2"``: also the 0.2.0
-codecs).
+codecs). The largest frame a writer cuts and a reader accepts by default is
+:data:`MAX_FRAME_BYTES`.
 
 Thread-safety: :class:`FrameEncoder` and :class:`FrameDecoder` hold zstd contexts and reusable
 buffers; use one instance per thread.
@@ -38,8 +42,9 @@ buffers; use one instance per thread.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Final, Literal
 
 import numpy as np
@@ -54,6 +59,7 @@ from deltastore.format.codecs.v2 import (
     XOR_SPARSE2,
     FrameDecoder2,
     FrameEncoder2,
+    sparse2_bounds,
 )
 from deltastore.format.codecs.zstdframe import (
     MAX_WINDOW_SIZE,
@@ -62,20 +68,18 @@ from deltastore.format.codecs.zstdframe import (
 )
 from deltastore.format.dtypes import word_dtype
 
+#: Every codec name of format v1 (the rows of :data:`CODEC_TABLE`, in the same order).
 Codec = Literal["raw", "xor-dense", "xor-sparse", "xor-sparse2", "raw-planes"]
 RAW: Final = "raw"
 XOR_DENSE: Final = "xor-dense"
 XOR_SPARSE: Final = "xor-sparse"
-#: The codecs deltastore 0.1.0 writes and reads.
-CODECS_V1: Final = (RAW, XOR_DENSE, XOR_SPARSE)
-#: Every codec this reader knows.
-CODECS: Final = (*CODECS_V1, XOR_SPARSE2, RAW_PLANES)
-#: Codecs whose frames hold the new words (every frame of an anchor is one of these).
-NEW_WORDS_CODECS: Final = (RAW, RAW_PLANES)
 #: Which codecs a writer uses: ``"v1"`` only :data:`CODECS_V1` (frames every deltastore
 #: reads), ``"v2"`` all of :data:`CODECS` (read from deltastore 0.2.0).
 CodecSet = Literal["v1", "v2"]
 CODEC_SETS: Final = ("v1", "v2")
+#: Largest frame (bytes of the elements it covers, ``n * s``) a publisher cuts, and the
+#: limit a subscriber applies by default (spec section 8.3: 1 GiB).
+MAX_FRAME_BYTES: Final = 1 << 30
 
 SPARSE_HEADER = 8
 #: Words decoded per step when streaming a dense frame.
@@ -130,13 +134,16 @@ def content_bound(codec: str, n: int, size: int) -> int:
     """Largest decompressed size (bytes) of a ``codec`` frame of ``n`` elements of ``size``
     bytes: ``n * size``, :func:`sparse_bound` for ``xor-sparse``, :func:`sparse2_bound` for
     ``xor-sparse2``; :class:`FrameError` for a codec this reader does not know."""
-    if codec == XOR_SPARSE:
-        return sparse_bound(n, size)
-    if codec == XOR_SPARSE2:
-        return sparse2_bound(n, size)
-    if codec in (RAW, XOR_DENSE, RAW_PLANES):
-        return n * size
-    raise unknown_codec(codec)
+    return codec_spec(codec).max_content(n, size)
+
+
+def stored_bound(codec: str, n: int, size: int, changed: int) -> int:
+    """Largest stored (compressed) length of a ``codec`` frame of ``n`` elements of ``size``
+    bytes and ``changed`` changes: the zstd bound (:func:`compress_bound`) of the largest
+    content its manifest entry allows (spec section 8.3). The one bound: what a reader checks
+    before fetching a frame, and what a writer never exceeds. :class:`FrameError` for a codec
+    this reader does not know."""
+    return compress_bound(codec_spec(codec).content_range(n, size, changed)[1])
 
 
 @dataclass(frozen=True)
@@ -263,33 +270,17 @@ class FrameDecoder:
         (``raw`` and ``xor-dense`` decoded as the iterator advances, ``raw-planes`` at once).
         The content size is checked against the frame's bound before anything is
         decompressed; :class:`FrameError` for a damaged frame or an unknown codec (at once)."""
-        if codec == XOR_SPARSE:
-            positions, masks = self.sparse(data, n, size, changed)
-            return iter((Changes(masks, True, 0, positions),))
-        if codec == XOR_SPARSE2:
-            positions, masks = self._v2.sparse2(data, n, size, changed)
-            return iter((Changes(masks, True, 0, positions),))
-        if codec in (RAW, XOR_DENSE):
-            xor = codec == XOR_DENSE
-            return (Changes(words, xor, first) for first, words in self.chunks(data, n, size))
-        if codec == RAW_PLANES:
-            runs = self._v2.planes_chunks(data, n, size)
-            return (Changes(words, False, first) for first, words in runs)
-        raise unknown_codec(codec)
+        return codec_spec(codec).changes(self, data, n, size, changed)
 
     def decode_into(self, codec: str, data: bytes, out: np.ndarray) -> None:
         """Decode a frame of new words (``raw`` or ``raw-planes``: every frame of an anchor)
         straight into ``out`` (contiguous words, exactly the frame's size); :class:`FrameError`
         for another codec, whose frames hold XOR masks that need the old words (use
         :meth:`changes`), or one this reader does not know."""
-        if codec == RAW:
-            self.into(data, out)
-        elif codec == RAW_PLANES:
-            self._v2.planes_into(data, out)
-        elif codec in CODECS:
+        spec = codec_spec(codec)
+        if spec.into is None:
             raise FrameError(f"a {codec!r} frame holds no new words to decode into place")
-        else:
-            raise unknown_codec(codec)
+        spec.into(self, data, out)
 
     def sparse(self, data: bytes, n: int, size: int, changed: int) -> tuple[np.ndarray, np.ndarray]:
         """Decode ``xor-sparse``: (frame-local int64 positions, unsigned XOR masks)."""
@@ -369,11 +360,142 @@ class FrameDecoder:
             raise FrameError(f"frame does not decompress ({exc})") from None
 
 
+# --- the codec table ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """One codec of format v1 (spec section 8.2): what writers and readers need to know of it.
+    Frozen; the decoder callables take the calling thread's :class:`FrameDecoder`."""
+
+    name: Codec
+    #: The first codec set that writes it: ``"v1"`` (deltastore 0.1.0) or ``"v2"`` (0.2.0).
+    codec_set: CodecSet
+    #: Its frames carry the new words (every frame of an anchor is of such a codec); the
+    #: others carry XOR masks, applied to the parent's words (:attr:`needs_parent`).
+    new_words: bool
+    #: Its frames hold only the changed elements (positions and masks), not every element.
+    sparse: bool
+    #: ``(n, size) ->`` the largest decompressed content (bytes) of a frame of ``n``
+    #: elements of ``size`` bytes, whatever its ``changed``: what a reader plans memory for.
+    max_content: Callable[[int, int], int]
+    #: ``(n, size, changed) -> (lo, hi)``: the content sizes (bytes) a frame's zstd header
+    #: may declare, given its manifest entry (spec section 8.3).
+    content_range: Callable[[int, int, int], tuple[int, int]]
+    #: ``(decoder, data, n, size, changed) ->`` the frame's :class:`Changes`.
+    changes: Callable[[FrameDecoder, bytes, int, int, int], Iterator[Changes]]
+    #: ``(decoder, data, out)``: decode the new words into ``out``; None for a codec of
+    #: XOR masks.
+    into: Callable[[FrameDecoder, bytes, np.ndarray], None] | None = None
+
+    @property
+    def needs_parent(self) -> bool:
+        """Whether its frames apply only to the parent's words (XOR masks)."""
+        return not self.new_words
+
+
+def _dense_range(n: int, size: int, changed: int) -> tuple[int, int]:
+    return n * size, n * size
+
+
+def _dense_bound(n: int, size: int) -> int:
+    return n * size
+
+
+def _sparse_range(n: int, size: int, changed: int) -> tuple[int, int]:
+    return SPARSE_HEADER + changed * (1 + size), sparse_bound(n, size)
+
+
+def _sparse_changes(
+    dec: FrameDecoder, data: bytes, n: int, size: int, changed: int
+) -> Iterator[Changes]:
+    positions, masks = dec.sparse(data, n, size, changed)
+    return iter((Changes(masks, True, 0, positions),))
+
+
+def _sparse2_changes(
+    dec: FrameDecoder, data: bytes, n: int, size: int, changed: int
+) -> Iterator[Changes]:
+    positions, masks = dec._v2.sparse2(data, n, size, changed)
+    return iter((Changes(masks, True, 0, positions),))
+
+
+def _raw_changes(
+    dec: FrameDecoder, data: bytes, n: int, size: int, changed: int
+) -> Iterator[Changes]:
+    return (Changes(words, False, first) for first, words in dec.chunks(data, n, size))
+
+
+def _xor_dense_changes(
+    dec: FrameDecoder, data: bytes, n: int, size: int, changed: int
+) -> Iterator[Changes]:
+    return (Changes(words, True, first) for first, words in dec.chunks(data, n, size))
+
+
+def _planes_changes(
+    dec: FrameDecoder, data: bytes, n: int, size: int, changed: int
+) -> Iterator[Changes]:
+    runs = dec._v2.planes_chunks(data, n, size)
+    return (Changes(words, False, first) for first, words in runs)
+
+
+def _raw_into(dec: FrameDecoder, data: bytes, out: np.ndarray) -> None:
+    dec.into(data, out)
+
+
+def _planes_into(dec: FrameDecoder, data: bytes, out: np.ndarray) -> None:
+    dec._v2.planes_into(data, out)
+
+
+#: Every codec this reader knows, by name, in the order of :data:`Codec`.
+CODEC_TABLE: Final[Mapping[str, CodecSpec]] = MappingProxyType(
+    {
+        RAW: CodecSpec(RAW, "v1", True, False, _dense_bound, _dense_range, _raw_changes, _raw_into),
+        XOR_DENSE: CodecSpec(
+            XOR_DENSE, "v1", False, False, _dense_bound, _dense_range, _xor_dense_changes
+        ),
+        XOR_SPARSE: CodecSpec(
+            XOR_SPARSE, "v1", False, True, sparse_bound, _sparse_range, _sparse_changes
+        ),
+        XOR_SPARSE2: CodecSpec(
+            XOR_SPARSE2, "v2", False, True, sparse2_bound, sparse2_bounds, _sparse2_changes
+        ),
+        RAW_PLANES: CodecSpec(
+            RAW_PLANES,
+            "v2",
+            True,
+            False,
+            _dense_bound,
+            _dense_range,
+            _planes_changes,
+            _planes_into,
+        ),
+    }
+)
+#: The codecs deltastore 0.1.0 writes and reads.
+CODECS_V1: Final = tuple(c for c, spec in CODEC_TABLE.items() if spec.codec_set == "v1")
+#: Every codec this reader knows.
+CODECS: Final = tuple(CODEC_TABLE)
+#: Codecs whose frames hold the new words (every frame of an anchor is one of these).
+NEW_WORDS_CODECS: Final = tuple(c for c, spec in CODEC_TABLE.items() if spec.new_words)
+
+
+def codec_spec(codec: str) -> CodecSpec:
+    """The row of ``codec`` in :data:`CODEC_TABLE`; :class:`FrameError` (upgrade deltastore)
+    for a codec this reader does not know."""
+    spec = CODEC_TABLE.get(codec)
+    if spec is None:
+        raise unknown_codec(codec)
+    return spec
+
+
 __all__ = [
     "CHUNK_BYTES",
     "CODECS",
     "CODECS_V1",
     "CODEC_SETS",
+    "CODEC_TABLE",
+    "MAX_FRAME_BYTES",
     "MAX_WINDOW_SIZE",
     "NEW_WORDS_CODECS",
     "RAW",
@@ -385,11 +507,14 @@ __all__ = [
     "Changes",
     "Codec",
     "CodecSet",
+    "CodecSpec",
     "FrameDecoder",
     "FrameEncoder",
+    "codec_spec",
     "compress_bound",
     "content_bound",
     "sparse2_bound",
     "sparse_bound",
+    "stored_bound",
     "unknown_codec",
 ]

@@ -55,7 +55,6 @@ import zstandard
 from deltastore.errors import FrameError
 from deltastore.format.codecs.zstdframe import (
     MAX_WINDOW_SIZE,
-    compress_bound,
     content_size,
 )
 from deltastore.format.dtypes import word_dtype
@@ -139,16 +138,6 @@ def sparse2_possible(content: int, n: int, size: int, changed: int) -> bool:
         if left >= 0 and left % 4 == 0 and left // 4 <= most:
             return True
     return False
-
-
-def stored_bound(codec: str, n: int, size: int, changed: int) -> int:
-    """Largest stored (compressed) length of a frame: the zstd bound of its largest content
-    (``deltastore.format.codecs.compress_bound``)."""
-    if codec == XOR_SPARSE2:
-        return compress_bound(sparse2_bounds(n, size, changed)[1])
-    if codec == RAW_PLANES:
-        return compress_bound(n * size)
-    raise ValueError(f"not a codec of this module: {codec!r}")
 
 
 def choose_low_bits(k: int, span: int, bias: int = LOW_BITS_BIAS) -> int:
@@ -459,5 +448,4 @@ __all__ = [
     "sparse2_bounds",
     "sparse2_possible",
     "sparse2_size",
-    "stored_bound",
 ]
