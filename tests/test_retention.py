@@ -1,4 +1,4 @@
-"""Long runs (issue 14): anchor copies by cost, cheapest catch-up, retention with reader leases.
+"""Long runs (spec sections 4.3 and 9.4): anchor copies by cost, cheapest catch-up, retention with reader leases.
 
 The acceptance run publishes 300 real AdamW versions of a small model with the default anchor
 policy and runs ``gc --keep 10`` every 25 versions, with three followers (one always current,
@@ -74,6 +74,33 @@ class Counting(LocalStore):
         data = super().get_range(key, start, length)
         self.read += len(data)
         return data
+
+
+class Recording(LocalStore):
+    """A local store that records the key and length of every data read (whole or ranged)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.reads: list[tuple[str, int]] = []
+
+    def get(self, key: str) -> bytes:
+        data = super().get(key)
+        self.reads.append((key, len(data)))
+        return data
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        data = super().get_range(key, start, length)
+        self.reads.append((key, len(data)))
+        return data
+
+    def data_read(self) -> dict[int, tuple[str, ...]]:
+        """Per version, the names of the data objects read under ``versions/<v>/``."""
+        out: dict[int, set[str]] = {}
+        for key, _ in self.reads:
+            if key.startswith("versions/"):
+                _, v, name = key.split("/")
+                out.setdefault(int(v), set()).add(name)
+        return {v: tuple(sorted(n)) for v, n in sorted(out.items())}
 
 
 def store_bytes(root: Path) -> int:
@@ -293,32 +320,47 @@ def test_policy_parse_and_account() -> None:
 
 
 def test_far_behind_takes_the_copy_when_it_is_smaller(tmp_path: Path) -> None:
-    states = publish_run(tmp_path, 40, "every:30", SPEC)  # a copy at 31
-    store = LocalStore(tmp_path)
+    """Held 2 of 80 with a copy at 71: the copy and 9 deltas cost less than 78 deltas (a copy
+    weighs about 55 deltas here), so the copy is taken, and the reads prove it (the copy's
+    data, then the deltas after it, no data of 3-70); held 68 the deltas cost less, and no
+    copy data is read."""
+    states = publish_run(tmp_path, 80, "every:70")  # a copy at 71
+    store = Recording(tmp_path)
     old = Subscriber(
         store, tensors={n: t.clone() for n, t in states[1].items()}, version=2, lease_ttl=None
     )
-    near = Subscriber(  # held 28: the copy at 31 is above it, but 12 deltas cost less
-        store, tensors={n: t.clone() for n, t in states[27].items()}, version=28, lease_ttl=None
+    near = Subscriber(  # held 68: the copy at 71 is above it, but 12 deltas cost less
+        store, tensors={n: t.clone() for n, t in states[67].items()}, version=68, lease_ttl=None
     )
-    deltas = sum(old.manifest(v).payload_bytes for v in range(3, 41))
+    deltas = sum(old.manifest(v).payload_bytes for v in range(3, 81))
     copy = sum(
         f["length"]
-        for e in json.loads((tmp_path / anchor_key(31)).read_bytes())["tensors"].values()
+        for e in json.loads((tmp_path / anchor_key(71)).read_bytes())["tensors"].values()
         for f in e["frames"]
     )
-    after = sum(old.manifest(v).payload_bytes for v in range(32, 41))
+    after = sum(old.manifest(v).payload_bytes for v in range(72, 81))
+    assert copy + after < deltas, "the workload no longer makes the copy the cheaper path"
+    copy_objects = tuple(sorted(p.name for p in (tmp_path / data_prefix(71)).glob("*-anchor-*")))
+    assert copy_objects
+    store.reads.clear()
     got = old.sync()
-    if copy + after < deltas:
-        assert got.path == "anchor" and got.applied[0] == 31
-        assert got.path_bytes == copy + after
-    else:
-        assert got.path == "deltas" and got.applied == tuple(range(3, 41))
-    assert_bit_exact(states[39], old.tensors)
+    assert got.path == "anchor" and got.applied == tuple(range(71, 81))
+    assert got.path_bytes == copy + after
+    read = store.data_read()
+    assert sorted(read) == list(range(71, 81))  # nothing of versions 3-70
+    assert read[71] == copy_objects  # the copy's data objects, not version 71's delta
+    assert all("-anchor-" not in n for v in range(72, 81) for n in read[v])
+    assert anchor_key(71) in {k for k, _ in store.reads}
+    data_bytes = sum(n for k, n in store.reads if k.startswith("versions/"))
+    assert data_bytes == copy + after
+    assert_bit_exact(states[79], old.tensors)
+    store.reads.clear()
     got = near.sync()
-    assert got.path == "deltas" and got.applied == tuple(range(29, 41))
+    assert got.path == "deltas" and got.applied == tuple(range(69, 81))
     assert got.other_bytes == copy + after > got.path_bytes
-    assert_bit_exact(states[39], near.tensors)
+    assert sorted(store.data_read()) == list(range(69, 81))
+    assert all("-anchor-" not in n for names in store.data_read().values() for n in names)
+    assert_bit_exact(states[79], near.tensors)
 
 
 # --- leases -----------------------------------------------------------------------------
