@@ -7,7 +7,7 @@ base to ``--version`` ``--repeats`` times, each with fresh tensors at the parent
 base, checked by ``Subscriber.verify`` untimed, as the benchmark does), with the peak extra RSS
 of each sync (the benchmark's meter), and checks every result bit-exact. Then it measures the
 receiver floor and the pause floor (one bare scatter) with :mod:`deltastore.bench.floors` on
-the same changes, into the same buffer, and prints the ratios the bar of issue 13 uses.
+the same changes, into the same buffer, and prints the ratios the bar (benchmarks/README.md) uses.
 
     .venv/bin/python benchmarks/profile_sync.py                      # medium, v0 -> v1
     .venv/bin/python benchmarks/profile_sync.py --size small --repeats 9

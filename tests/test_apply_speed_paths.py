@@ -1,4 +1,4 @@
-"""Behaviour of the receiver's fast paths (issue 13): narrow staged positions widened in steps
+"""Behaviour of the receiver's fast paths: narrow staged positions widened in steps
 by the scatter, frame sums derived from tensor sums, frames worked on in batches by the
 Fetcher; every path bit-exact, verified before writing, all or nothing."""
 

@@ -1,4 +1,4 @@
-"""The benchmark (issues 6, 13): a smoke run of ``deltastore bench --size small`` through the
+"""The benchmark (benchmarks/README.md): smoke run of ``deltastore bench --size small`` through the
 local store with the fewest versions, checked for well-formed output, bit-wise agreement of
 every system (and every dense load method) with the workload, the strongest dense baseline in
 every ratio, the floors and the bar; the dense loads and the floors on their own; the

@@ -1,4 +1,4 @@
-"""Safetensors files whose tensor data is not aligned to its dtype (issue 11, point 12).
+"""Safetensors files whose tensor data is not aligned to its dtype (docs/guide.md).
 
 safetensors does not require alignment, and writers other than deltastore may leave a header
 whose length makes the data start at an odd offset. Such files are built here by hand and

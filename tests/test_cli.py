@@ -1,4 +1,4 @@
-"""The command line (issue 3): publish / pull / log / show / demo over safetensors folders.
+"""The command line (docs/cli.md): publish / pull / log / show / demo over safetensors folders.
 
 Most tests drive the typer app in-process with ``CliRunner``; the ``--watch`` test and the
 exit-status checks that must see a real process run the ``deltastore`` console script.
@@ -1085,7 +1085,7 @@ def test_exit_codes_are_stable() -> None:
 def test_docs_list_every_command_option_and_exit_code() -> None:
     doc = ROOT / "docs" / "cli.md"
     if not doc.is_file():
-        pytest.skip("docs/cli.md is not written yet (issue 3 acceptance)")
+        pytest.skip("docs/cli.md is not written yet")
     text = doc.read_text()
     command = typer.main.get_command(app)
     assert isinstance(command, typer.main.TyperGroup)
@@ -1112,7 +1112,7 @@ def test_docs_list_every_command_option_and_exit_code() -> None:
             assert [int(m.group(1)) for m in rows] == [code], name
 
 
-# --- help and output (issue 11, point 11) --------------------------------------------------
+# --- help and output (docs/cli.md) --------------------------------------------------------
 
 
 def test_help_shows_upper_case_arguments_and_no_value_for_flags() -> None:

@@ -1,4 +1,4 @@
-"""Concurrent publishers (issue 7, item 3), on a local store.
+"""Concurrent publishers (docs/guide.md, Several publishers), on a local store.
 
 - Two publishers racing one version, released together at the commit point (a barrier in
   the store): exactly one commits, the other gets :class:`VersionExistsError`; the loser's

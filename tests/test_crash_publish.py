@@ -1,4 +1,4 @@
-"""Crash consistency of publish (issue 7, item 1) and ``deltastore gc --orphans`` (item 3).
+"""Crash consistency of publish and ``deltastore gc --orphans`` (spec section 4.2).
 
 A clean publish of version 2 (a delta, and an anchor) on a store at version 1 is recorded
 operation by operation through :class:`FaultyStore`; then, for every operation k of it, a

@@ -1,4 +1,4 @@
-"""Crash consistency of sync (issue 7, item 2): a pull into a checkpoint folder killed at
+"""Crash consistency of sync (docs/guide.md): a pull into a checkpoint folder killed at
 every stage, then a pull in a fresh process against the same folder.
 
 Each kill runs in its own process: a helper process imports deltastore once and forks one

@@ -1,5 +1,5 @@
 # ruff: noqa: F811 - the fixtures of test_bad_input are imported, and tests take them by name
-"""Hostile and damaged input (issue 7, item 4): typed errors, nothing applied, bounded memory.
+"""Hostile and damaged input (spec section 8.3): typed errors, nothing applied, bounded memory.
 
 Every sync-level case below damages version 2 of the store of ``tests/test_bad_input.py`` (its
 fixtures and :func:`expect_sync_error` are reused) and checks that ``sync()`` raises a

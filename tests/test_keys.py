@@ -1,4 +1,4 @@
-"""Store keys and the store registry (issue 12): the key grammar lives in
+"""Store keys and the store registry (spec section 3.1): the key grammar lives in
 ``deltastore.format.keys`` (no pydantic, no torch), the manifest module re-exports it, and
 ``open_store`` lives in ``deltastore.store.registry``."""
 

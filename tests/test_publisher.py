@@ -269,7 +269,7 @@ def test_lone_surrogate_names_are_refused_before_upload(tmp_path: Path) -> None:
 
 def test_publish_requests_do_not_grow_with_the_run(tmp_path: Path) -> None:
     """A publisher takes the head from its own state: the same store operations at version 1
-    and at version 40, and no listing of all of manifests/ (issue 16)."""
+    and at version 40, and no listing of all of manifests/."""
     from deltastore.store import LocalStore
     from deltastore.testing.faults import FaultyStore
 

@@ -1,4 +1,4 @@
-"""Long runs (spec sections 4.3 and 9.4): anchor copies by cost, cheapest catch-up, retention with reader leases.
+"""Long runs: anchor copies by cost, cheapest catch-up, retention with reader leases.
 
 The acceptance run publishes 300 real AdamW versions of a small model with the default anchor
 policy and runs ``gc --keep 10`` every 25 versions, with three followers (one always current,

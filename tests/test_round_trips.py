@@ -1,4 +1,4 @@
-"""Round trips as a budget (issue 16), counted where the S3 server sees them.
+"""Round trips as a budget (docs/stores.md), counted where the S3 server sees them.
 
 Every request goes through a shaped link (:mod:`deltastore.testing.link`) in front of moto,
 with 50 ms of latency per request, so that requests made at once overlap and requests made

@@ -1,4 +1,4 @@
-"""Soak (issues 7 and 14): one publisher and five followers under random faults for many
+"""Soak (docs/guide.md): one publisher and five followers under random faults for many
 versions, with retention and reader leases, checked bit-exact against the trainer.
 
 A trainer (AdamW steps of a small GQA model) publishes ``DELTASTORE_SOAK_VERSIONS`` versions

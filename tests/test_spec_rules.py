@@ -1,5 +1,5 @@
-"""Rules of ``docs/spec/format-v1.md`` that an independent reader found unstated (issue 11,
-point 13), as the reference reader enforces them: ``created`` is a real UTC time, a ``null``
+"""Rules of ``docs/spec/format-v1.md`` that an independent reader found unstated, as the
+reference reader enforces them: ``created`` is a real UTC time, a ``null``
 ``parent_adler32`` means every element changed, ``-0`` is no number of the format, ``LATEST``
 is small and names its own version's key, and the spec prints the rules the code uses."""
 

@@ -1,4 +1,4 @@
-"""Start-up (issue 11, point 8): the commands that only read manifests never import torch.
+"""Start-up (docs/design/architecture.md): the commands that only read manifests never import torch.
 
 ``deltastore --help``, ``--version``, ``log``, ``show`` and ``verify`` (without ``--deep``)
 run here in a subprocess whose ``torch`` cannot be imported (a ``torch`` package that raises

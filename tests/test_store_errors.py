@@ -1,4 +1,4 @@
-"""Store errors a user meets in the first hour (issue 11, points 5, 6, 7 and 9).
+"""Store errors a user meets in the first hour (docs/stores.md).
 
 - A bucket that does not exist is named as such by the library and by every command, with a
   non-zero exit, instead of looking like an empty store; ``verify`` of a store without any

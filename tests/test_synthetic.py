@@ -1,4 +1,4 @@
-"""The synthetic model (issue 12): one SIZES table, importable without torch, and one AdamW
+"""The synthetic model: one SIZES table, importable without torch, and one AdamW
 generator shared by the tests, the demo and the benchmark workload."""
 
 from __future__ import annotations

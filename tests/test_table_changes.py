@@ -1,6 +1,6 @@
 """Receivers across changes of the tensor table, and receivers whose state left the chain.
 
-Issue 11, points 1-3:
+Spec section 9.3:
 
 - a folder pulled across versions whose tensor tables differ ({a, b} -> {a} -> {a, c} ->
   {a, c reshaped}) holds exactly each version's tensors (names, dtypes, shapes, bytes), on the

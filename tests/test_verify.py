@@ -1,4 +1,4 @@
-"""``deltastore verify`` (issue 7, item 6): the store fsck and the checkout check.
+"""``deltastore verify`` (docs/cli.md, verify): the store fsck and the checkout check.
 
 A pristine store (v1 anchor, v2-v4 deltas, v5 an anchor on v4, v6 a delta; small frames and
 several data objects per version) passes the fast and the deep check. Each kind of damage is
@@ -126,7 +126,7 @@ def test_a_healthy_store_passes_fast_and_deep(pristine: Path) -> None:
 
 
 def test_an_empty_or_missing_store_is_not_ok(tmp_path: Path) -> None:
-    """Nothing wrong was found, but nothing was verified either: not "ok" (issue 11)."""
+    """Nothing wrong was found, but nothing was verified either: not "ok"."""
     report = verify_store(tmp_path / "nothing")
     assert not report.ok and report.empty and report.problems == () and report.versions == ()
     assert "holds no committed version" in report.summary()

@@ -1,4 +1,4 @@
-"""The benchmark (issues 6, 13): deltastore side by side with the strongest dense
+"""The benchmark (benchmarks/README.md): deltastore side by side with the strongest dense
 safetensors load, COO and xor-dense baselines (and the old naive dense load, reported only)
 on versions of a synthetic model made by real AdamW steps, with the publish, receiver and
 pause floors measured in the same run.

@@ -1,4 +1,4 @@
-"""From measured samples to medians, ratios, floors and the performance bar (issues 6, 13).
+"""From measured samples to medians, ratios, floors and the performance bar (benchmarks/README.md).
 
 Pure functions of the measured samples; thread-safe."""
 
@@ -29,7 +29,8 @@ from deltastore.bench.schema import (
 
 M = TypeVar("M", bound=BaseModel)
 
-#: The bar (issue 13), thresholds by name. Ratios "vs dense" are against the strongest dense.
+#: The bar (benchmarks/README.md), thresholds by name. Ratios "vs dense" are against the
+#: strongest dense.
 BYTES_PER_CHANGED_MAX = 1.30
 PUBLISH_BOUND_MAX = 1.5
 #: dense sync / deltastore sync: an object store (>= 20x faster), a local store (deltastore
@@ -37,7 +38,7 @@ PUBLISH_BOUND_MAX = 1.5
 SYNC_VS_DENSE_REMOTE_MIN = 20.0
 SYNC_VS_DENSE_LOCAL_MIN = 2.0
 SUBSCRIBER_RSS_MAX = 0.05
-#: Through a shaped link (issue 16): dense sync / deltastore sync, against the strongest
+#: Through a shaped link (docs/stores.md): dense sync / deltastore sync, against the strongest
 #: dense (parallel ranged GETs through the same link); sequential round trips of a sync
 #: (deltastore is told the version, as every baseline: the manifest, then its frames; a
 #: follower that finds it by polling pays the poll too); requests of a poll that finds
@@ -45,7 +46,7 @@ SUBSCRIBER_RSS_MAX = 0.05
 SYNC_VS_DENSE_LINK_MIN = 30.0
 SYNC_ROUND_TRIPS_MAX = 3
 POLL_REQUESTS_MAX = 1
-#: Kept from issue 6 (issue 13 bounds the pause by the scatter floor instead).
+#: Kept from the schema-1 bar (the schema-2 bar bounds the pause by the scatter floor too).
 PAUSE_FRACTION_MAX = 0.20
 SCALING_MAX = 1.3
 #: deltastore sync / receiver floor (local stores), pause / scatter floor (every store).
@@ -188,7 +189,7 @@ def _check(
 
 
 def bar_checks(stores: Sequence[StoreResult], scaling: ScalingResult | None) -> list[BarCheck]:
-    """The bar points that this run's systems and stores can answer (issue 13: every ratio
+    """The bar points that this run's systems and stores can answer (every ratio
     against the strongest dense, ``dense``; the floors measured in the same run)."""
     out: list[BarCheck] = []
     with_ds = [s for s in stores if "deltastore" in s.systems]

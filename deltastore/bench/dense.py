@@ -15,7 +15,7 @@ Load, straight into the receiver's existing tensors, by every method of
   thread pool; the safetensors header is parsed from the first range, each range copied into
   the tensors as it arrives), and one whole-object GET copied into the tensors.
 
-``dense-naive`` is what the benchmark measured as dense before (issue 13: a straw man):
+``dense-naive`` is what the benchmark measured as dense in schema 1 (a straw man):
 ``safetensors.torch.save`` to ``bytes`` and ``put``; ``get`` the whole object,
 ``safetensors.torch.load`` (new tensors), copy. It is reported, never used in a ratio.
 

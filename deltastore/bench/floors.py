@@ -1,4 +1,4 @@
-"""The receiver's floors (issue 13, points 2 and 3): the least work any verifying receiver
+"""The receiver's floors (benchmarks/README.md, Floors): the least work any verifying receiver
 does for a version's changes, timed on the same changes, into the same tensors, in the same
 process as deltastore's subscriber.
 

@@ -44,7 +44,7 @@ Limits of the machine, for reading the results above:
 | `xxh3_64` | 2 GB in ~0.07 s |
 
 The strongest dense load and the receiver floors are measured in every run (the tables above);
-issue 13 quoted 0.24-0.33 s for loading a 2 GB safetensors file from the page cache into
+the bar was set from 0.24-0.33 s for loading a 2 GB safetensors file from the page cache into
 existing tensors (a naive whole-object read, parse and copy: 3.5 s) and ~0.15 s on one core
 for the receiver floor of 8M changes.
 

@@ -6,12 +6,12 @@ sizes bytes. Every ``*_fraction`` is relative to the model's dense bytes unless 
 Ratios are ``baseline / deltastore``: above 1 means deltastore is smaller, faster or leaner.
 ``benchmarks/README.md`` explains each number.
 
-Version 2 (issue 13): ``dense`` is the strongest dense load (the fastest of the methods its
+Version 2: ``dense`` is the strongest dense load (the fastest of the methods its
 receiver times, :class:`MethodResult`), the old whole-object load is ``dense-naive`` (reported,
 never in a ratio); :class:`StoreResult` gains the receiver floors and the anchor's size.
 Version 1 documents cannot be read by this model.
 
-Added in version 2 without a change of meaning (issue 16): request counts (``requests``,
+Added in version 2 without a change of meaning: request counts (``requests``,
 ``round_trips``: the store requests of a publish or sync and how many of them ran one after
 the other; deltastore's ``commit_round_trips`` after its data objects; deltastore's poll),
 and the shaped link a store was reached through (:class:`LinkInfo`), with the floors it sets;
