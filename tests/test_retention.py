@@ -576,5 +576,9 @@ def test_anchor_copies_of_deleted_data_are_reported(tmp_path: Path) -> None:
     victim.unlink()
     report = verify_store(store)
     assert MISSING_OBJECT in report.kinds
+    # the copy's data is lost, the chain is not: a reader falls back to it (spec section 9.4)
+    assert Subscriber(store, lease_ttl=None).sync(5).applied == (1, 2, 3, 4, 5)
+    for v in range(1, 5):  # once the chain below is gone too, the copy's error is raised
+        (tmp_path / manifest_key(v)).unlink()
     with pytest.raises(ObjectNotFoundError):
-        Subscriber(store, lease_ttl=None).sync(5)  # the copy names it: the data is lost
+        Subscriber(store, lease_ttl=None).sync(5)
