@@ -180,9 +180,12 @@ def write_anchor_copy(
     signing_key: SigningKey | None = None,
 ) -> Manifest | None:
     """After ``version`` is committed: create its anchor copy ``anchors/<version>.json``
-    (an anchor manifest of the same state, spec section 9.4) with ``put_if_absent``. Best
-    effort, like ``LATEST``: the version is committed either way; returns the copy, or None
-    (logged) when it could not be written."""
+    (an anchor manifest of the same state, spec section 9.4) with ``put_if_absent``. As
+    section 9.4 requires: ``parent`` null (``entries`` have no parent Adler-32s), ``writer``
+    this writer's (``token``: the one that committed ``version`` and prefixes the copy's data
+    objects), ``created`` the time the copy is built, never the manifest's. Best effort, like
+    ``LATEST``: the version is committed either way; returns the copy, or None (logged) when
+    it could not be written."""
     manifest, body = build_manifest(
         version=version,
         kind="anchor",
