@@ -122,6 +122,48 @@ def test_read_only_commands_run_without_torch(
         assert out.strip().endswith(": ok") and "2 versions" in out
 
 
+#: The modules of the checkpoint-folder paths (``publish``, ``pull``, ``gc``, ``verify``, the
+#: library's folder sync): none imports torch when loaded, though torch is installed here
+#: (tests/test_torch_free.py runs them where it is not). import-linter cannot state this: it
+#: counts the imports inside functions too (the torch branches of the tensor layer).
+TORCH_FREE = (
+    "deltastore.checkpoint",
+    "deltastore.checkpoint.folders",
+    "deltastore.checkpoint.safetensors",
+    "deltastore.tensors.host",
+    "deltastore.tensors.dtypes",
+    "deltastore.tensors.words",
+    "deltastore.tensors.tables",
+    "deltastore.sync.subscriber",
+    "deltastore.sync.apply",
+    "deltastore.sync.stage",
+    "deltastore.sync.ranks",
+    "deltastore.sync.group",
+    "deltastore.publish.publisher",
+    "deltastore.maintenance.verify",
+    "deltastore.maintenance.retention",
+    "deltastore.maintenance.orphans",
+    "deltastore_cli",
+    "deltastore_cli.publish",
+    "deltastore_cli.pull",
+    "deltastore_cli.verify",
+    "deltastore_cli.orphans",
+)
+
+
+def test_the_folder_paths_import_no_torch() -> None:
+    code = (
+        "import importlib, json, sys\n"
+        f"for name in {TORCH_FREE!r}:\n"
+        "    importlib.import_module(name)\n"
+        "from deltastore.checkpoint import FolderSync, publish_checkpoint, pull_checkpoint\n"
+        "from deltastore.checkpoint import watch_checkpoint\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
 def test_every_public_name_imports_lazily_and_is_listed() -> None:
     names = sorted(deltastore.__all__)
     code = (

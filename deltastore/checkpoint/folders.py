@@ -41,11 +41,9 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from deltastore.checkpoint.safetensors import (
     INDEX_NAME,
@@ -88,7 +86,8 @@ from deltastore.store import open_store
 from deltastore.sync.lease import default_reader_id
 from deltastore.sync.poll import PollSchedule
 from deltastore.sync.subscriber import Subscriber, SyncReport
-from deltastore.tensors.dtypes import np_words
+from deltastore.tensors.dtypes import host_words
+from deltastore.tensors.host import HostTensor, Tensors
 from deltastore.tensors.tables import table_of_manifest
 
 log = logging.getLogger(__name__)
@@ -123,9 +122,9 @@ def publish_checkpoint(
     store = open_store(url, storage_options)
     folder = Path(state_dir) if state_dir is not None else default_state_dir(store.url)
     pub = Publisher(store, snapshot="disk", state_dir=folder, **publisher_options)
-    tensors = MappedCheckpoint(locate(src)).tensors
+    tensors = MappedCheckpoint(locate(src)).host
     if parent is not None and not anchor:
-        pub.attach(MappedCheckpoint(locate(parent)).tensors)
+        pub.attach(MappedCheckpoint(locate(parent)).host)
     return pub.publish(tensors, version=version, anchor=True if anchor else None, progress=progress)
 
 
@@ -139,9 +138,10 @@ def _write_state(dest: Path, m: Manifest) -> None:
     write_json(dest, SIDECAR, body)
 
 
-def checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
-    """Adler-32 of each (CPU) tensor's bytes: one read of every tensor, one at a time."""
-    return {name: adler32(np_words(t.detach())) for name, t in tensors.items()}
+def checksums(tensors: Tensors) -> dict[str, int]:
+    """Adler-32 of each tensor's bytes (host or torch tensors; one read of every tensor, one at
+    a time)."""
+    return {name: adler32(host_words(t)) for name, t in tensors.items()}
 
 
 class FolderSync:
@@ -174,7 +174,7 @@ class FolderSync:
         self._url, self._opts, self._sub_opts = url, storage_options, subscriber_options
         self._repair = repair
         self._ckpt: MappedCheckpoint | None = None
-        self._sub: Subscriber | None = None
+        self._sub: Subscriber[HostTensor] | None = None
         self._state: FolderState | None = None
         self._checked = self._reopen = False
         self.last_repair: FolderRepair | None = None
@@ -189,7 +189,7 @@ class FolderSync:
         self._state = read_state(self.dest)
         if self._state is not None:
             self._ckpt = MappedCheckpoint(locate(self.dest), writable=True)
-            self._sub = self._subscriber(self._ckpt.tensors)  # its state: once checked
+            self._sub = self._subscriber(self._ckpt.host)  # its state: once checked
         elif self.dest.exists() and any(self.dest.iterdir()) and not (self.dest / PENDING).exists():
             raise CheckpointError(
                 f"{self.dest} is not empty and holds no {SIDECAR}: pull into an empty or new "
@@ -208,10 +208,10 @@ class FolderSync:
 
     def _subscriber(
         self,
-        tensors: MutableMapping[str, torch.Tensor] | None,
+        tensors: MutableMapping[str, HostTensor] | None,
         version: int | None = None,
         names: list[str] | None = None,
-    ) -> Subscriber:
+    ) -> Subscriber[HostTensor]:
         opts = dict(self._sub_opts)
         if names is not None:  # hold and sync only these tensors
             opts["layout"] = Layout.identity(names)
@@ -219,12 +219,12 @@ class FolderSync:
             self._url, storage_options=self._opts, tensors=tensors, version=version, **opts
         )
 
-    def _probe(self) -> Subscriber:
+    def _probe(self) -> Subscriber[HostTensor]:
         """A subscriber without tensors, for reading manifests (with the signing key given)."""
         extra = {k: v for k, v in self._sub_opts.items() if k == "signing_key"}
         return Subscriber(self._url, storage_options=self._opts, **extra)
 
-    def _target(self, version: int | None) -> tuple[Subscriber, int]:
+    def _target(self, version: int | None) -> tuple[Subscriber[HostTensor], int]:
         probe = self._sub or self._probe()
         target = probe.latest() if version is None else version
         if target is None:
@@ -242,7 +242,7 @@ class FolderSync:
             raise CheckpointError("folder is not open")
         _, target = self._target(version)
         goal = sub.manifest(target)
-        new_table = table_of(ckpt.tensors) != table_of_manifest(goal)
+        new_table = table_of(ckpt.host) != table_of_manifest(goal)
         if not self._checked:
             bad = self._differing(ckpt, state)
             if bad:
@@ -272,8 +272,8 @@ class FolderSync:
     def _differing(self, ckpt: MappedCheckpoint, state: FolderState) -> list[str]:
         """Tensors whose content is not the recorded state's (one read of every tensor); the
         names, dtypes and shapes are checked too, through the state digest."""
-        have = checksums(ckpt.tensors)
-        rows = ((n, d, list(s), have[n]) for n, (d, s) in table_of(ckpt.tensors).items())
+        have = checksums(ckpt.host)
+        rows = ((n, d, list(s), have[n]) for n, (d, s) in table_of(ckpt.host).items())
         if state_digest(rows) == state.state_digest:
             return []
         names = set(have) | set(state.adler32)
@@ -299,7 +299,7 @@ class FolderSync:
             ckpt = MappedCheckpoint(
                 create_checkpoint(stage, table_of_manifest(goal)), writable=True
             )
-            report = self._subscriber(ckpt.tensors).sync(goal.version, progress=progress)
+            report = self._subscriber(ckpt.host).sync(goal.version, progress=progress)
             ckpt.flush()
             fsync_files(stage)
             _write_state(stage, goal)
@@ -375,7 +375,7 @@ class FolderSync:
         except BaseException:
             self._remove_created(existed)
             raise
-        sub = self._subscriber(ckpt.tensors)
+        sub = self._subscriber(ckpt.host)
         try:
             return self._recorded(
                 ckpt, None, target, lambda rec: sub.sync(target, progress=progress, on_version=rec)
@@ -404,7 +404,7 @@ class FolderSync:
     # --- repair -------------------------------------------------------------------------
 
     def _candidates(
-        self, probe: Subscriber, goal: Manifest, recorded: int | None
+        self, probe: Subscriber[HostTensor], goal: Manifest, recorded: int | None
     ) -> list[Manifest]:
         """Versions a tensor of the folder may be at and advance from to ``goal``: the chain
         from ``goal`` back to the recorded version or the first anchor, and the recorded
@@ -447,9 +447,7 @@ class FolderSync:
             )
         probe = self._probe()
         goal = probe.manifest(target)
-        if table_of(ckpt.tensors) != {
-            n: (e.dtype, tuple(e.shape)) for n, e in goal.tensors.items()
-        }:
+        if table_of(ckpt.host) != {n: (e.dtype, tuple(e.shape)) for n, e in goal.tensors.items()}:
             raise TensorMismatchError(
                 f"{self.dest} holds other tensors (names, dtypes or shapes) than version "
                 f"{target}; it cannot be repaired in place: pull into a new folder"
@@ -457,7 +455,7 @@ class FolderSync:
         candidates = self._candidates(probe, goal, recorded)
         found: dict[int, list[str]] = {}
         rebuilt: list[str] = []
-        for name, value in checksums(ckpt.tensors).items():
+        for name, value in checksums(ckpt.host).items():
             want = goal.tensors[name]
             at = [
                 c.version
@@ -475,7 +473,7 @@ class FolderSync:
         runs = [
             (
                 names,
-                self._subscriber({n: ckpt.tensors[n] for n in names}, v, names).sync(
+                self._subscriber({n: ckpt.host[n] for n in names}, v, names).sync(
                     target, progress=progress
                 ),
             )
@@ -483,7 +481,7 @@ class FolderSync:
         ]
         anchor = runs[-1][1].applied[0] if rebuilt else None
         ckpt.flush()
-        sub = self._subscriber(ckpt.tensors, target)
+        sub = self._subscriber(ckpt.host, target)
         t_verify = time.perf_counter()
         sub.verify()  # every tensor at the target before anything is recorded
         verify_s = time.perf_counter() - t_verify

@@ -1,9 +1,10 @@
 """Safetensors checkpoint folders as memory-mapped tensors: read for publish, write in place.
 
 A checkpoint is one ``.safetensors`` file or an HF-style folder (``model.safetensors`` or
-``model.safetensors.index.json`` + shards). Tensors are ``numpy.memmap`` views of the files
-wrapped by torch without copying: nothing is read into RAM until touched, and writes to a
-writable view land in the file (the page cache) in place.
+``model.safetensors.index.json`` + shards). Tensors are ``numpy.memmap`` views of the files, as
+:class:`~deltastore.tensors.host.HostTensor` s (numpy words; this module imports no torch), or
+wrapped by torch without copying on request: nothing is read into RAM until touched, and
+writes to a writable view land in the file (the page cache) in place.
 
 Tensor data need not be aligned to its dtype (safetensors does not require it; other writers
 than deltastore may leave a header whose length is not a multiple of 8). A read-only map gives
@@ -33,7 +34,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from deltastore.errors import CheckpointError
-from deltastore.format.dtypes import SAFETENSORS_CODES, SAFETENSORS_NAMES, itemsize
+from deltastore.format.dtypes import SAFETENSORS_CODES, SAFETENSORS_NAMES, itemsize, word_dtype
+from deltastore.tensors.dtypes import dtype_name
+from deltastore.tensors.host import HostTensor, Tensors
 
 if TYPE_CHECKING:
     import torch
@@ -126,9 +129,13 @@ def locate(src: str | os.PathLike[str]) -> dict[str, TensorLocation]:
 
 
 class MappedCheckpoint:
-    """Memory-mapped torch tensors over checkpoint files (zero-copy).
+    """Memory-mapped tensors over checkpoint files (zero-copy).
 
-    ``writable=True`` maps the files shared read-write: writes to :attr:`tensors` go to the
+    :attr:`host`: the tensors as :class:`~deltastore.tensors.host.HostTensor` s (numpy words
+    over the maps; no torch), what the folder paths use. :attr:`tensors`: the same memory as
+    torch tensors (imports torch on first use).
+
+    ``writable=True`` maps the files shared read-write: writes to the tensors go to the
     files; call :meth:`flush` to push them to disk. Read-only maps are copy-on-write, so the
     files never change even if a tensor is written. A tensor whose data is not aligned to its
     dtype is an aligned copy of its bytes in a read-only map, and a view of the file's bytes
@@ -136,25 +143,31 @@ class MappedCheckpoint:
     """
 
     def __init__(self, locations: Mapping[str, TensorLocation], *, writable: bool = False) -> None:
-        import torch
-
-        from deltastore.tensors.dtypes import dtype_from_name
-
         self._maps: dict[Path, np.memmap] = {}
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.host: dict[str, HostTensor] = {}
+        self._torch: dict[str, torch.Tensor] | None = None
         for name, loc in locations.items():
-            dtype = dtype_from_name(loc.dtype)
+            word = word_dtype(itemsize(loc.dtype))
             if loc.stop == loc.start:
-                self.tensors[name] = torch.empty(loc.shape, dtype=dtype)
+                self.host[name] = HostTensor(np.empty(0, dtype=word), loc.dtype, loc.shape)
                 continue
             if loc.path not in self._maps:
                 self._maps[loc.path] = np.memmap(
                     loc.path, dtype=np.uint8, mode="r+" if writable else "c"
                 )
             raw = self._maps[loc.path][loc.start : loc.stop]
-            if loc.start % dtype.itemsize and not writable:
+            if loc.start % word.itemsize and not writable:
                 raw = np.array(raw)  # a fresh buffer: aligned (numpy aligns to 16 bytes or more)
-            self.tensors[name] = torch.from_numpy(raw).view(dtype).reshape(loc.shape)
+            # a plain ndarray over the map (the memmap subclass slows every index operation)
+            self.host[name] = HostTensor(np.asarray(raw).view(word), loc.dtype, loc.shape)
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors as torch tensors over the same memory as :attr:`host` (no copy; torch
+        is imported on first use)."""
+        if self._torch is None:
+            self._torch = {name: t.torch() for name, t in self.host.items()}
+        return self._torch
 
     def flush(self) -> None:
         """Write dirty pages of every mapped file to disk (msync)."""
@@ -231,10 +244,8 @@ def _write_empty(
     return read_header(path)
 
 
-def table_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """``name -> (dtype name, shape)`` of a tensor mapping."""
-    from deltastore.tensors.dtypes import dtype_name
-
+def table_of(tensors: Tensors) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``name -> (dtype name, shape)`` of a mapping of torch or host tensors."""
     return {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
 
 

@@ -33,7 +33,7 @@ import numpy as np
 from deltastore.errors import LayoutError
 
 if TYPE_CHECKING:
-    import torch
+    from deltastore.tensors.host import Tensors
 
 # --- declarations -------------------------------------------------------------------------
 
@@ -413,7 +413,7 @@ class Layout:
     def bind(
         self,
         shapes: Mapping[str, Sequence[int]],
-        tensors: Mapping[str, torch.Tensor] | None = None,
+        tensors: Tensors | None = None,
         dtypes: Mapping[str, str] | None = None,
     ) -> BoundLayout:
         """Resolve against global ``shapes`` (manifest name -> shape); with ``tensors``, check
@@ -467,12 +467,10 @@ class BoundLayout:
     local_shapes: Mapping[str, tuple[int, ...]]
     local_sources: Mapping[str, tuple[str, ...]]
 
-    def check(
-        self, tensors: Mapping[str, torch.Tensor], dtypes: Mapping[str, str] | None = None
-    ) -> None:
+    def check(self, tensors: Tensors, dtypes: Mapping[str, str] | None = None) -> None:
         """Raise :class:`LayoutError` unless every local tensor exists, is contiguous, has the
         bound shape and (with ``dtypes``: global name -> dtype name) its sources' dtype."""
-        from deltastore.tensors.dtypes import dtype_name  # torch: only with tensors to check
+        from deltastore.tensors.dtypes import dtype_name  # (torch or host) tensors to check
 
         problems: list[str] = []
         for local, shape in self.local_shapes.items():

@@ -421,7 +421,7 @@ def verify_checkout(
     table and checksums come from that version's manifest in the store, and the sidecar is
     checked against it. Raises :class:`CheckpointError` when ``dest`` has no (readable)
     sidecar or its files are not a checkpoint."""
-    from deltastore.checkpoint.folders import (  # imports torch
+    from deltastore.checkpoint.folders import (  # publisher and subscriber: loaded on use
         PENDING,
         SIDECAR,
         checksums,
@@ -434,7 +434,7 @@ def verify_checkout(
     if state is None:
         raise CheckpointError(f"{folder} holds no {SIDECAR}: it is not a folder deltastore pulled")
     files = locate(folder)
-    tensors = MappedCheckpoint(files).tensors
+    tensors = MappedCheckpoint(files).host  # numpy words over the files: no torch
     problems = _Found()
     expected = dict(state.adler32)
     if url is not None:

@@ -21,10 +21,9 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import torch
 
 from deltastore.catalog.chain import ChainReader
 from deltastore.errors import (
@@ -73,8 +72,12 @@ from deltastore.publish.snapshot import (
 from deltastore.publish.upload import PackWriter, Uploads
 from deltastore.store import Store, open_store
 from deltastore.store.counting import CountingStore, critical_path
-from deltastore.tensors.dtypes import dtype_name, np_words
+from deltastore.tensors.dtypes import dtype_name, host_words
+from deltastore.tensors.host import Tensors
 from deltastore.tensors.tables import check_table, raise_if_mismatched
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +132,9 @@ class Pending:
     upload_s: float = 0.0
 
 
-def table_entry(name: str, dtype: torch.dtype, shape: Sequence[int]) -> tuple[str, list[int]]:
-    """``(dtype name, shape)`` of a tensor to publish, checked against the format's limits."""
+def table_entry(name: str, dtype: torch.dtype | str, shape: Sequence[int]) -> tuple[str, list[int]]:
+    """``(dtype name, shape)`` of a tensor to publish (``dtype``: torch's, or a host tensor's
+    format name), checked against the format's limits."""
     if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name) or not _utf8(name):
         raise TensorMismatchError(
             f"tensor name {name!r} is not allowed: 1-1024 characters, no control characters"
@@ -518,7 +522,7 @@ class Publisher(ChainWriter):
             self._costs = chain_costs(ChainReader(self._io), self._held.version)
         return self._costs.reason(self._policy, self._costs.last_delta)
 
-    def attach(self, tensors: Mapping[str, torch.Tensor], *, version: int | None = None) -> int:
+    def attach(self, tensors: Tensors, *, version: int | None = None) -> int:
         """Continue the chain of an existing store from ``tensors`` at ``version``.
 
         ``version`` defaults to the newest committed one. The tensors are checked against that
@@ -527,7 +531,7 @@ class Publisher(ChainWriter):
         """
         manifest = self._head_manifest(version)
         check_table(tensors, manifest, exact=True)
-        host = {n: np_words(tensors[n].detach().cpu().contiguous()) for n in manifest.tensors}
+        host = {n: host_words(tensors[n]) for n in manifest.tensors}
         sums = {name: self._checksums(words) for name, words in host.items()}
         raise_if_mismatched(
             [n for n, s in sums.items() if s.whole != manifest.tensors[n].adler32], manifest
@@ -538,7 +542,7 @@ class Publisher(ChainWriter):
 
     def publish(
         self,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Tensors,
         *,
         version: int,
         anchor: bool | None = None,
@@ -572,7 +576,7 @@ class Publisher(ChainWriter):
 
     def _publish(
         self,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Tensors,
         version: int,
         anchor: bool | None,
         progress: ProgressFn | None,
@@ -604,7 +608,7 @@ class Publisher(ChainWriter):
             else "the tensor table changed"
         )
         full = kind == "delta" and reason is not None
-        host = {n: np_words(t.detach().cpu().contiguous()) for n, t in tensors.items()}
+        host = {n: host_words(t) for n, t in tensors.items()}
         pending = self._encode(version, host, table, parent_state, kind, progress, full=full)
         t0 = time.perf_counter()
         # the head check (a zombie publisher stops there), the commit, the anchor copy, LATEST

@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from deltastore.errors import IntegrityError, RankError
 from deltastore.format.checksum import (
@@ -50,6 +49,7 @@ from deltastore.format.manifest import Manifest
 from deltastore.sync.fetch import FrameTask
 from deltastore.tensors import words
 from deltastore.tensors.dtypes import flat_words
+from deltastore.tensors.host import Tensors, Words
 from deltastore.tensors.words import Write
 
 Hook = Callable[[], None] | None
@@ -118,7 +118,7 @@ class Update:
 
 
 def stage_at(
-    local: torch.Tensor, at: np.ndarray, values: np.ndarray, *, xor: bool
+    local: Words, at: np.ndarray, values: np.ndarray, *, xor: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(old, new)`` words at the flat positions ``at`` of ``local`` (a tensor's 1-D words):
     ``values`` (unsigned words, one per position) are the new words, or XOR masks (``xor``)."""
@@ -127,7 +127,7 @@ def stage_at(
 
 
 def stage_run(
-    local: torch.Tensor, start: int, values: np.ndarray, *, xor: bool
+    local: Words, start: int, values: np.ndarray, *, xor: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(old, new)`` words of the run ``[start, start + values.size)`` of ``local``, as
     :func:`stage_at` (one contiguous read)."""
@@ -194,7 +194,7 @@ def verify_tensors(m: Manifest, got: Mapping[str, int], outcome: str) -> None:
         )
 
 
-def writes_of(tensors: Mapping[str, torch.Tensor], updates: Iterable[Update]) -> list[Write]:
+def writes_of(tensors: Tensors, updates: Iterable[Update]) -> list[Write]:
     """The writes of ``updates`` into the local ``tensors`` (by name; contiguous); updates that
     change nothing are left out."""
     return [

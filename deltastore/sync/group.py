@@ -4,7 +4,8 @@ Every rank of the group calls every method in the same order (they are collectiv
 with nothing to send still calls them with empty buffers. ``Group(None)`` is a group of one
 whose methods are local no-ops, so single-process code takes the same path. Not thread-safe:
 one thread per rank drives the collectives. Buffers travel as CPU tensors (gloo), or on the
-group's device for NCCL (``device``).
+group's device for NCCL (``device``). A group of one imports no torch (a receiver of host
+tensors, such as a checkpoint folder's, never loads it).
 
 A ``Group`` never keeps the process group alive: torch.distributed owns it (its registry holds
 every group ``Group`` accepts) and ``destroy_process_group()`` frees it, which joins gloo's
@@ -23,13 +24,14 @@ from __future__ import annotations
 import traceback
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from deltastore.tensors.dtypes import dtype_from_name
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Group:
@@ -37,17 +39,20 @@ class Group:
 
     def __init__(self, group: Any | None = None, device: torch.device | None = None) -> None:
         self._ref: Callable[[], Any] | None = None
-        if group is None:
+        self._device = device  # None in a group of one, which moves no buffers
+        if group is None:  # a group of one imports no torch
             self.rank, self.world = 0, 1
-        else:
-            if not dist.is_available() or not dist.is_initialized():
-                raise RuntimeError("torch.distributed is not initialized; init_process_group first")
-            self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-            self._ref = _weak(group)
+            return
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized; init_process_group first")
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self._ref = _weak(group)
         if device is None:
-            backend = dist.get_backend(group) if group is not None else "gloo"
-            device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
-        self._device = device
+            backend = dist.get_backend(group)
+            self._device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
 
     @property
     def _pg(self) -> Any:
@@ -73,12 +78,16 @@ class Group:
             raise
 
     def _to(self, a: np.ndarray) -> torch.Tensor:
+        import torch
+
         return torch.from_numpy(np.ascontiguousarray(a)).to(self._device)
 
     def all_reduce_sum(self, values: np.ndarray) -> np.ndarray:
         """Element-wise sum of an int64 vector over all ranks."""
         if self._ref is None:
             return values
+        import torch.distributed as dist
+
         t = self._to(values.astype(np.int64))
         self._collective(dist.all_reduce, t, op=dist.ReduceOp.SUM)
         out: np.ndarray = t.cpu().numpy()
@@ -88,6 +97,8 @@ class Group:
         """``value`` of group rank ``src`` on every rank."""
         if self._ref is None:
             return value
+        import torch.distributed as dist
+
         t = self._to(np.array([value], dtype=np.int64))
         self._collective(dist.broadcast, t, src=dist.get_global_rank(self._pg, src))
         return int(t.cpu()[0])
@@ -115,6 +126,9 @@ class Group:
         """
         if self._ref is None:
             return [sends[0]]
+        import torch
+        import torch.distributed as dist
+
         send = np.concatenate([s.astype(dtype, copy=False) for s in sends])
         recv = torch.empty(
             int(counts.sum()), dtype=dtype_from_name(np.dtype(dtype).name), device=self._device

@@ -29,9 +29,9 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, MutableMapping, Sequence
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
-import torch
 
 from deltastore.errors import (
     DeltastoreError,
@@ -72,6 +72,10 @@ from deltastore.sync.group import Group
 from deltastore.sync.routing import Boxes, Segment, exchange, route, route_range
 from deltastore.tensors import words
 from deltastore.tensors.dtypes import dtype_from_name, flat_words
+from deltastore.tensors.host import Tensors, TensorT
+
+if TYPE_CHECKING:
+    import torch
 
 #: Dense bytes of anchor frames decoded and exchanged per round (bounds exchange memory).
 ROUND_BYTES = 256 << 20
@@ -108,11 +112,12 @@ class LayoutSync:
     def bind(
         self,
         m: Manifest,
-        tensors: MutableMapping[str, torch.Tensor] | None,
-        device: torch.device,
-    ) -> MutableMapping[str, torch.Tensor]:
+        tensors: MutableMapping[str, TensorT] | None,
+        device: str | torch.device,
+    ) -> MutableMapping[str, TensorT]:
         """Resolve the layout against ``m`` (once per tensor table; a collective when the
-        table is new), allocate zeroed local tensors if ``tensors`` is None, and check that
+        table is new), allocate zeroed local torch tensors on ``device`` if ``tensors`` is None
+        (the only use of torch here: given tensors may be host tensors), and check that
         every global tensor held by any rank is held whole by the group."""
         table = tuple((n, e.dtype, tuple(e.shape)) for n, e in m.tensors.items())
         if table != self._table:
@@ -152,14 +157,19 @@ class LayoutSync:
             raise LayoutError("layout is not bound")
         dtypes = {n: e.dtype for n, e in m.tensors.items()}
         if tensors is None:
-            tensors = {
-                local: torch.zeros(
-                    shape,
-                    dtype=dtype_from_name(dtypes[self.bound.local_sources[local][0]]),
-                    device=device,
-                )
-                for local, shape in self.bound.local_shapes.items()
-            }
+            import torch
+
+            tensors = cast(  # allocated here: torch's (the subscriber's default kind)
+                "MutableMapping[str, TensorT]",
+                {
+                    local: torch.zeros(
+                        shape,
+                        dtype=dtype_from_name(dtypes[self.bound.local_sources[local][0]]),
+                        device=device,
+                    )
+                    for local, shape in self.bound.local_shapes.items()
+                },
+            )
         seen = (table, tuple(map(id, tensors.values())))
         if seen != self._checked:  # the same tensor objects for the same table: checked
             self.bound.check(tensors, dtypes)
@@ -172,7 +182,7 @@ class LayoutSync:
         self,
         frames: Fetcher,
         m: Manifest,
-        tensors: MutableMapping[str, torch.Tensor],
+        tensors: Tensors,
         parent: dict[str, int] | None,
         timer: Timer,
         hooks: Hooks,
@@ -222,7 +232,7 @@ class LayoutSync:
                 hooks.resume()
         return staged + t1 - t0, time.perf_counter() - t1
 
-    def check(self, m: Manifest, tensors: MutableMapping[str, torch.Tensor]) -> list[str]:
+    def check(self, m: Manifest, tensors: Tensors) -> list[str]:
         """Names of held tensors whose content is not at ``m`` (full read, a collective)."""
         totals = Totals(len(self._names))
         for name, ps in (self.bound.placements if self.bound else {}).items():
@@ -329,7 +339,7 @@ class LayoutSync:
         self,
         seg: Segment,
         m: Manifest,
-        tensors: MutableMapping[str, torch.Tensor],
+        tensors: Tensors,
         updates: list[Update],
         totals: Totals,
         *,
@@ -368,7 +378,7 @@ class LayoutSync:
         self,
         seg: Segment,
         entry: TensorEntry,
-        tensors: MutableMapping[str, torch.Tensor],
+        tensors: Tensors,
         updates: list[Update],
         totals: Totals,
         *,

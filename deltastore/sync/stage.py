@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from deltastore.errors import FrameError, IntegrityError, ManifestError
 from deltastore.format.checksum import adler32
@@ -20,6 +19,7 @@ from deltastore.format.dtypes import itemsize
 from deltastore.format.manifest import Manifest
 from deltastore.sync.apply import Sums, Update, contribution, stage_at, stage_run
 from deltastore.sync.fetch import FrameTask
+from deltastore.tensors.host import Words
 from deltastore.tensors.words import narrow
 
 
@@ -57,7 +57,7 @@ def check_frames(m: Manifest, max_frame_bytes: int) -> None:
 
 
 def stage_frame(
-    local: torch.Tensor, task: FrameTask, data: bytes, dec: FrameDecoder, delta: bool
+    local: Words, task: FrameTask, data: bytes, dec: FrameDecoder, delta: bool
 ) -> Staged:
     """Turn one fetched frame (``data``, its stored bytes) into its update of ``local`` (the
     tensor's flat words; reads only), checked against the frame's Adler-32: for sparse changes

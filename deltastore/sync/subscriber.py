@@ -20,10 +20,9 @@ import os
 import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Generic, Literal, cast
 
 import numpy as np
-import torch
 
 from deltastore.catalog.chain import ChainReader, Plan
 from deltastore.errors import (
@@ -54,6 +53,7 @@ from deltastore.sync.lease import DEFAULT_LEASE_TTL_S, LeaseKeeper
 from deltastore.sync.ranks import LayoutSync
 from deltastore.sync.stage import Staged, check_frames, stage_frame
 from deltastore.tensors.dtypes import dtype_from_name, dtype_name, flat_words
+from deltastore.tensors.host import TensorT
 from deltastore.tensors.tables import (
     Table,
     check_contents,
@@ -63,7 +63,10 @@ from deltastore.tensors.tables import (
     table_changed,
     table_of_manifest,
 )
-from deltastore.tensors.words import scatter_range
+from deltastore.tensors.words import host_view, scatter_range
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +109,7 @@ class SyncReport(SizeRatios):
     round_trips: int = 0
 
 
-class Subscriber:
+class Subscriber(Generic[TensorT]):
     """Keeps ``tensors`` at a committed version of the store at ``url``.
 
     ``tensors`` + ``version``: tensors already at ``version``; checked once against its
@@ -150,7 +153,7 @@ class Subscriber:
         url: str | os.PathLike[str] | Store,
         *,
         storage_options: dict[str, Any] | None = None,
-        tensors: MutableMapping[str, torch.Tensor] | None = None,
+        tensors: MutableMapping[str, TensorT] | None = None,
         version: int | None = None,
         device: str | torch.device = "cpu",
         max_workers: int = 4,
@@ -177,7 +180,8 @@ class Subscriber:
         self._adler: dict[str, int] = {}
         self._table: Table | None = None  # the table of the version the tensors are at
         self._owned = tensors is None  # allocated here: reallocated when the table changes
-        self._device = torch.device(device)
+        # where tensors allocated here go; the default needs no torch until they are
+        self._device: str | torch.device = "cpu" if device == "cpu" else _torch_device(device)
         self._max_frame_bytes = max_frame_bytes
         self._frames = Fetcher(self._io, max_workers, max_inflight_bytes)
         self._group = Group(group)
@@ -189,7 +193,7 @@ class Subscriber:
             self._chain.note(version)
 
     @property
-    def tensors(self) -> MutableMapping[str, torch.Tensor] | None:
+    def tensors(self) -> MutableMapping[str, TensorT] | None:
         """The tensors kept in sync (None before the first sync of a fresh subscriber)."""
         return self._tensors
 
@@ -529,6 +533,21 @@ class Subscriber:
             raise ChainError("no tensors")
         return stage_frame(flat_words(self._tensors[task.name]), task, data, dec, delta)
 
+    def _allocate(self, m: Manifest) -> dict[str, torch.Tensor]:
+        """New (uninitialized) torch tensors on the subscriber's device for ``m``'s table: the
+        only tensors a subscriber allocates (host tensors are always handed over)."""
+        import torch
+
+        out: dict[str, torch.Tensor] = {}
+        for name, entry in m.tensors.items():
+            try:
+                out[name] = torch.empty(
+                    entry.shape, dtype=dtype_from_name(entry.dtype), device=self._device
+                )
+            except (RuntimeError, MemoryError) as exc:
+                raise TensorMismatchError(f"cannot allocate {name} {entry.shape}: {exc}") from None
+        return out
+
     def _bootstrap(self, m: Manifest, timer: Timer, *, allocate: bool) -> float:
         """Fill tensors from an anchor: into new tensors (``allocate``; they replace the held
         ones only once verified), or into handed-over buffers."""
@@ -538,24 +557,17 @@ class Subscriber:
             check_table(self._tensors, m, exact=False)
             target = self._tensors
         else:
-            target = {}
-            for name, entry in m.tensors.items():
-                try:
-                    target[name] = torch.empty(
-                        entry.shape, dtype=dtype_from_name(entry.dtype), device=self._device
-                    )
-                except (RuntimeError, MemoryError) as exc:
-                    raise TensorMismatchError(
-                        f"cannot allocate {name} {entry.shape}: {exc}"
-                    ) from None
+            # a subscriber that allocates holds torch's tensors (its kind's default)
+            target = cast("MutableMapping[str, TensorT]", self._allocate(m))
         tasks = frame_tasks(m)
 
         def fill(task: FrameTask, data: bytes, dec: FrameDecoder) -> int:
             f = task.frame
             dest = flat_words(target[task.name])
             wdt = word_dtype(itemsize(task.entry.dtype))
-            if dest.device.type == "cpu":
-                out = dest.numpy().view(wdt)[f.start : f.stop]
+            host = host_view(dest)
+            if host is not None:
+                out = host.view(wdt)[f.start : f.stop]
             else:
                 out = np.empty(f.stop - f.start, dtype=wdt)
             dec.decode_into(f.codec, data, out)
@@ -565,7 +577,7 @@ class Subscriber:
                     f"{task.name}[{f.start}:{f.stop}]: anchor frame decodes to Adler-32 "
                     f"{got:08x}, the manifest says {f.adler32:08x}"
                 )
-            if dest.device.type != "cpu":
+            if host is None:  # on a device
                 scatter_range(dest, f.start, out)
             return got
 
@@ -579,6 +591,13 @@ class Subscriber:
         self._tensors = target
         self._set_state(m)
         return time.perf_counter() - t0
+
+
+def _torch_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device`` (checked: an unknown device fails here)."""
+    import torch
+
+    return torch.device(device)
 
 
 __all__ = ["Subscriber", "SyncReport"]

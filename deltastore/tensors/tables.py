@@ -1,16 +1,18 @@
-"""Helpers shared by publisher and subscriber: tensor tables and whole-tensor checks."""
+"""Helpers shared by publisher and subscriber: tensor tables and whole-tensor checks.
+
+The checks take torch tensors or :class:`~deltastore.tensors.host.HostTensor` s and import no
+torch themselves."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-import torch
+import numpy as np
 
 from deltastore.errors import TableChangedError, TensorMismatchError
 from deltastore.format.chain import table_of_entries
 from deltastore.format.checksum import adler32
 from deltastore.format.manifest import Manifest
 from deltastore.tensors.dtypes import dtype_name, np_words
+from deltastore.tensors.host import HostTensor, Tensor, Tensors
 
 #: A tensor table: name -> (dtype name, shape).
 Table = dict[str, tuple[str, tuple[int, ...]]]
@@ -72,7 +74,7 @@ def delta_changes_table(old: Table, new: Manifest, held: int | None) -> TensorMi
     )
 
 
-def check_table(tensors: Mapping[str, torch.Tensor], manifest: Manifest, *, exact: bool) -> None:
+def check_table(tensors: Tensors, manifest: Manifest, *, exact: bool) -> None:
     """Raise :class:`TensorMismatchError` unless every manifest tensor exists in ``tensors``
     with the same dtype and shape (and, with ``exact``, no other tensor exists)."""
     problems: list[str] = []
@@ -97,7 +99,7 @@ def check_table(tensors: Mapping[str, torch.Tensor], manifest: Manifest, *, exac
         )
 
 
-def check_contents(tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> None:
+def check_contents(tensors: Tensors, manifest: Manifest) -> None:
     """Raise :class:`TensorMismatchError` unless each tensor's Adler-32 equals the manifest's.
 
     O(model bytes); tensors not on the CPU are copied there one at a time.
@@ -105,9 +107,14 @@ def check_contents(tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> N
     bad = [
         name
         for name, entry in manifest.tensors.items()
-        if adler32(np_words(tensors[name].detach().cpu())) != entry.adler32
+        if adler32(_cpu_words(tensors[name])) != entry.adler32
     ]
     raise_if_mismatched(bad, manifest)
+
+
+def _cpu_words(t: Tensor) -> np.ndarray:
+    """The words of a host tensor, or of a (contiguous) torch tensor copied to the CPU."""
+    return np_words(t if isinstance(t, HostTensor) else t.detach().cpu())
 
 
 def raise_if_mismatched(bad: list[str], manifest: Manifest) -> None:

@@ -1,5 +1,9 @@
 """Gather and scatter of words (unsigned element bits) in local tensors, CPU or device.
 
+A tensor's words (``local``) are :func:`deltastore.tensors.dtypes.flat_words`: a 1-D integer
+torch tensor (on the CPU: numpy views of its memory are indexed; on a device: torch's
+``index_select`` / ``index_copy_``), or the numpy words of a
+:class:`~deltastore.tensors.host.HostTensor`, indexed as they are without importing torch.
 Positions are int32 or int64 flat element indices; values are unsigned little-endian words. Not
 thread-safe for writes to the same tensor.
 
@@ -14,12 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
-import torch
 
 from deltastore.format.dtypes import signed_word_dtype
+
+if TYPE_CHECKING:
+    import torch
+
+    from deltastore.tensors.host import Words
 
 #: Positions converted to int64 per step when scattering narrower ones (512 KiB: in L2).
 STEP = 1 << 16
@@ -28,37 +36,60 @@ INT32_MAX = (1 << 31) - 1
 
 @dataclass(frozen=True)
 class Write:
-    """One write of a write phase: ``local``, the 1-D words of a tensor (CPU or device);
-    ``positions`` in it, ascending (int32/int64, or :func:`compact` gaps); the ``old`` and
-    ``new`` unsigned words there (same length)."""
+    """One write of a write phase: ``local``, the 1-D words of a tensor (CPU or device, or a
+    host tensor's); ``positions`` in it, ascending (int32/int64, or :func:`compact` gaps); the
+    ``old`` and ``new`` unsigned words there (same length)."""
 
-    local: torch.Tensor
+    local: Words
     positions: np.ndarray
     old: np.ndarray
     new: np.ndarray
 
 
-def gather(local: torch.Tensor, positions: np.ndarray, wdt: np.dtype[Any]) -> np.ndarray:
+def host_view(local: Words) -> np.ndarray | None:
+    """The words ``local`` as a numpy array over the same memory (host words as they are, a
+    CPU torch tensor's through ``.numpy()``); None for a tensor on a device."""
+    if isinstance(local, np.ndarray):
+        return local
+    if local.device.type == "cpu":
+        out: np.ndarray = local.numpy()
+        return out
+    return None
+
+
+def gather(local: Words, positions: np.ndarray, wdt: np.dtype[Any]) -> np.ndarray:
+    """The words (as ``wdt``) at flat ``positions`` of ``local``: a new host array."""
     positions = positions.astype(np.int64, copy=False)  # numpy indexes 2-3x faster with intp
-    if local.device.type == "cpu":
-        out: np.ndarray = local.numpy().view(wdt)[positions]
+    host = host_view(local)
+    if host is not None:
+        out: np.ndarray = host.view(wdt)[positions]
         return out
-    idx = torch.from_numpy(positions).to(local.device, torch.int64)
-    return local.index_select(0, idx).cpu().numpy().view(wdt)
+    import torch  # a device tensor: torch is loaded already
+
+    dev = cast("torch.Tensor", local)
+    idx = torch.from_numpy(positions).to(dev.device, torch.int64)
+    got: np.ndarray = dev.index_select(0, idx).cpu().numpy().view(wdt)
+    return got
 
 
-def gather_range(local: torch.Tensor, start: int, count: int, wdt: np.dtype[Any]) -> np.ndarray:
-    if local.device.type == "cpu":
-        out: np.ndarray = local.numpy().view(wdt)[start : start + count]
+def gather_range(local: Words, start: int, count: int, wdt: np.dtype[Any]) -> np.ndarray:
+    """The words (as ``wdt``) of elements ``[start, start + count)`` of ``local`` (a view on
+    the host, a copy from a device)."""
+    host = host_view(local)
+    if host is not None:
+        out: np.ndarray = host.view(wdt)[start : start + count]
         return out
-    return local[start : start + count].cpu().numpy().view(wdt)
+    dev = cast("torch.Tensor", local)  # on a device
+    got: np.ndarray = dev[start : start + count].cpu().numpy().view(wdt)
+    return got
 
 
-def scatter(local: torch.Tensor, positions: np.ndarray, values: np.ndarray) -> None:
+def scatter(local: Words, positions: np.ndarray, values: np.ndarray) -> None:
     """Write ``values`` (unsigned words) at ``positions`` (int64, int32 or :func:`compact` gaps)
-    of ``local``; narrow positions are widened :data:`STEP` at a time on the CPU."""
-    if local.device.type == "cpu":
-        dest = local.numpy().view(values.dtype)
+    of ``local``; narrow positions are widened :data:`STEP` at a time on the host."""
+    host = host_view(local)
+    if host is not None:
+        dest = host.view(values.dtype)
         if positions.dtype == np.intp:
             dest[positions] = values
             return
@@ -75,18 +106,25 @@ def scatter(local: torch.Tensor, positions: np.ndarray, values: np.ndarray) -> N
                 idx[:] = part
             dest[idx] = values[lo : lo + STEP]
         return
-    at = torch.from_numpy(expand(positions)).to(local.device, torch.int64)
-    vals = torch.from_numpy(values.view(signed_word_dtype(values.dtype.itemsize))).to(local.device)
-    local.index_copy_(0, at, vals)
+    import torch  # a device tensor: torch is loaded already
+
+    dev = cast("torch.Tensor", local)
+    at = torch.from_numpy(expand(positions)).to(dev.device, torch.int64)
+    vals = torch.from_numpy(values.view(signed_word_dtype(values.dtype.itemsize))).to(dev.device)
+    dev.index_copy_(0, at, vals)
 
 
-def scatter_range(local: torch.Tensor, start: int, values: np.ndarray) -> None:
+def scatter_range(local: Words, start: int, values: np.ndarray) -> None:
     """Write ``values`` (unsigned words) to elements ``[start, start + len(values))``."""
-    if local.device.type == "cpu":
-        local.numpy().view(values.dtype)[start : start + values.size] = values
+    host = host_view(local)
+    if host is not None:
+        host.view(values.dtype)[start : start + values.size] = values
         return
+    import torch  # a device tensor: torch is loaded already
+
+    dev = cast("torch.Tensor", local)
     vals = torch.from_numpy(values.view(signed_word_dtype(values.dtype.itemsize)))
-    local[start : start + values.size].copy_(vals)
+    dev[start : start + values.size].copy_(vals)
 
 
 def narrow(positions: np.ndarray, numel: int) -> np.ndarray:
