@@ -391,8 +391,10 @@ class ChainReader:
         Reads manifests through the cache; when the held state turns out not to fit the
         chain, the cache is dropped (the store changed under the reader) and the plan goes
         back to the newest anchor at or below ``target``; likewise when versions between the
-        held one and the target were deleted (retention). :class:`ManifestNotFoundError`
-        when ``target`` is not committed.
+        held one and the target were deleted (retention), or a manifest there is damaged, and
+        a usable copy above them was met (spec section 10.1: the copy, never the damaged
+        version's own copy). Copies dropped by :meth:`reject_copy` are not used.
+        :class:`ManifestNotFoundError` when ``target`` is not committed.
 
         ``copies``: the versions with an anchor copy as :meth:`discover` listed them (those
         above the held version; all of them without one); None: listed here when needed.
