@@ -22,17 +22,24 @@ from deltastore_cli.options import CodecsOpt, JsonOpt, StorageOpt, StoreArg, Tim
 def publish(
     ctx: typer.Context,
     store: StoreArg,
-    src: Annotated[Path, typer.Argument(help="A .safetensors file or an HF checkpoint folder.")],
+    src: Annotated[
+        Path,
+        typer.Argument(help="A .safetensors file or an HF checkpoint folder.", resolve_path=True),
+    ],
     version: Annotated[int, typer.Option("--version", min=0, help="Version number to publish.")],
     parent: Annotated[
         Path | None,
-        typer.Option(help="Checkpoint of the store's newest version: publish a delta against it."),
+        typer.Option(
+            help="Checkpoint of the store's newest version: publish a delta against it.",
+            resolve_path=True,
+        ),
     ] = None,
     anchor: Annotated[bool, typer.Option("--anchor", help="Publish a full version.")] = False,
     state_dir: Annotated[
         Path | None,
         typer.Option(
             help="Publisher state folder.",
+            resolve_path=True,
             show_default="$XDG_CACHE_HOME or ~/.cache, /deltastore/publisher/<store hash>",
         ),
     ] = None,

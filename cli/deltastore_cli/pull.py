@@ -47,7 +47,10 @@ def print_pull(report: SyncReport, json_out: bool) -> None:
 def pull(
     ctx: typer.Context,
     store: StoreArg,
-    dest: Annotated[Path, typer.Argument(help="Checkpoint folder to create or update in place.")],
+    dest: Annotated[
+        Path,
+        typer.Argument(help="Checkpoint folder to create or update in place.", resolve_path=True),
+    ],
     version: Annotated[
         int | None,
         typer.Option("--version", min=0, help="Version.", show_default="newest"),

@@ -38,7 +38,10 @@ def verify(
     checkout: Annotated[
         Path | None,
         typer.Option(
-            "--checkout", metavar="DEST", help="Check a pulled folder against its version instead."
+            "--checkout",
+            metavar="DEST",
+            help="Check a pulled folder against its version instead.",
+            resolve_path=True,
         ),
     ] = None,
     storage_option: StorageOpt = None,

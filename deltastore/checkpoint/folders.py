@@ -83,6 +83,7 @@ from deltastore.layout.boxes import Layout
 from deltastore.progress import ProgressFn
 from deltastore.publish.publisher import Publisher, PublishReport
 from deltastore.store import open_store
+from deltastore.store.registry import store_url
 from deltastore.sync.lease import default_reader_id
 from deltastore.sync.poll import PollSchedule
 from deltastore.sync.subscriber import Subscriber, SyncReport
@@ -94,9 +95,12 @@ log = logging.getLogger(__name__)
 
 
 def default_state_dir(url: str) -> Path:
-    """Per-store publisher state folder under the user's cache (``$XDG_CACHE_HOME``)."""
+    """Per-store publisher state folder under the user's cache (``$XDG_CACHE_HOME``), named
+    by a hash of :func:`~deltastore.store.registry.store_url` (a local folder: its resolved
+    path), so that every spelling of one store shares one state."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "deltastore" / "publisher" / hashlib.sha256(url.encode()).hexdigest()[:16]
+    name = hashlib.sha256(store_url(url).encode()).hexdigest()[:16]
+    return cache / "deltastore" / "publisher" / name
 
 
 def publish_checkpoint(

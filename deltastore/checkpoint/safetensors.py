@@ -69,6 +69,12 @@ def checkpoint_files(src: str | os.PathLike[str]) -> list[Path]:
             names = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{index} is not a safetensors index ({exc})") from None
+        for n in names:  # names from the file, not the user: none may leave the folder
+            if not isinstance(n, str) or not n or Path(n).is_absolute() or ".." in Path(n).parts:
+                raise CheckpointError(
+                    f"{index} names shard {n!r}, which is not a file inside {path}: an index "
+                    "names its shards relative to its folder"
+                )
         files = [path / n for n in names]
     elif (path / SINGLE_NAME).is_file():
         files = [path / SINGLE_NAME]
@@ -77,7 +83,7 @@ def checkpoint_files(src: str | os.PathLike[str]) -> list[Path]:
     else:
         raise CheckpointError(f"{path} is neither a .safetensors file nor a checkpoint folder")
     for f in files:
-        if not f.is_file() or os.path.basename(f) != f.name or ".." in f.parts:
+        if not f.is_file():
             raise CheckpointError(f"checkpoint file {f} is missing")
     if not files:
         raise CheckpointError(f"{path} holds no .safetensors file")

@@ -62,7 +62,7 @@ class LocalStore(Store):
     """Store rooted at a folder; created on first write. Thread- and process-safe."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root).expanduser().absolute()
+        self.root = Path(root).expanduser().resolve()  # one name per folder: no "..", no link
         self.url = str(self.root)
 
     def _path(self, key: str) -> Path:

@@ -19,10 +19,30 @@ from deltastore.store.base import OWN_OPTIONS, Store, split_options
 from deltastore.store.local import LocalStore
 
 
+def local_root(url: str | os.PathLike[str]) -> str | None:
+    """The folder of a local store URL (a plain path or ``file://``) as given, or None for a
+    URL of another scheme."""
+    url = os.fspath(url)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    return rest if scheme == "file" else None
+
+
+def store_url(url: str | os.PathLike[str]) -> str:
+    """The store's name as :func:`open_store` gives it (:attr:`Store.url`), without opening
+    it: a local folder's resolved absolute path (``~`` expanded, ``..`` and symbolic links
+    resolved), so that every spelling of one folder names one store; other URLs unchanged."""
+    root = local_root(url)
+    return LocalStore(root).url if root is not None else os.fspath(url)
+
+
 def open_store(
     url: str | os.PathLike[str] | Store, storage_options: dict[str, Any] | None = None
 ) -> Store:
     """Open the store at ``url``: a plain path or ``file://`` URL (a :class:`Store` passes through).
+
+    A local folder is named by its resolved path (:func:`store_url`).
 
     ``storage_options`` are for fsspec backends, except deltastore's own (any store takes
     them): ``timeout`` (seconds: the bound of each store operation, retries included; no-op
@@ -32,15 +52,16 @@ def open_store(
     if isinstance(url, Store):
         return url
     url = os.fspath(url)
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme == "file":
+    root = local_root(url)
+    if root is not None:
         options, _, _ = split_options(storage_options)  # checked; no-ops on a local folder
         if options:
             raise StoreError(
                 f"a local store takes no storage options (got {sorted(options)}; "
                 f"it takes only {', '.join(OWN_OPTIONS)})"
             )
-        return LocalStore(rest if sep else url)
+        return LocalStore(root)  # its url: the resolved folder (store_url)
+    scheme = url.partition("://")[0]
     if scheme in ("s3", "s3a"):
         from deltastore.store.s3 import S3Store
 
