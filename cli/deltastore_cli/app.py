@@ -9,6 +9,7 @@ caught there: :class:`App` turns them into one line and an exit code.
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 
 import typer
@@ -39,8 +40,10 @@ class App(Group):
 
     def invoke(self, ctx: Any) -> Any:  # ctx: the root context (typer's click Context)
         RUN.settled = False  # a new command: in-process runs may run several
+        RUN.started = time.monotonic()
         try:
-            return super().invoke(ctx)
+            with RUN.cleanup:  # the command's deadline (--timeout) ends with it
+                return super().invoke(ctx)
         except HANDLED as exc:
             if RUN.settled:
                 raise

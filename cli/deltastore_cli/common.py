@@ -8,8 +8,8 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import typer
@@ -41,6 +41,7 @@ from deltastore.errors import (
 )
 from deltastore.progress import Progress as ProgressEvent
 from deltastore.progress import ProgressFn
+from deltastore.store.fsspec_store import command_deadline
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -119,6 +120,10 @@ class Run:
     settled: bool = False
     #: "interrupted" was printed.
     interrupt_reported: bool = False
+    #: When the command started (``time.monotonic()``): ``--timeout`` counts from here.
+    started: float = 0.0
+    #: Closed when the command ends: the deadline of ``--timeout``.
+    cleanup: ExitStack = field(default_factory=ExitStack)
 
 
 RUN = Run()
@@ -174,10 +179,16 @@ def command_failed(exc: BaseException, *, verbose: int) -> typer.Exit:
 
 
 def parse_storage_options(
-    items: list[str] | None, *, timeout: float | None = None
+    items: list[str] | None, *, timeout: float | None = None, deadline: bool = True
 ) -> dict[str, Any] | None:
     """``KEY=VALUE`` pairs; VALUE is JSON when it parses (true, 3, "x"), else a string.
-    ``timeout`` (``--timeout``) becomes the ``timeout`` storage option, over ``-o timeout=``."""
+
+    ``timeout`` (``--timeout``) becomes the ``timeout`` storage option, over ``-o timeout=``,
+    and, with ``deadline`` (every command but ``pull --watch``), the whole command's deadline:
+    :func:`~deltastore.store.fsspec_store.command_deadline`, counted from the command's start
+    and lifted when it ends."""
+    if timeout is not None and deadline:
+        RUN.cleanup.enter_context(command_deadline(timeout, start=RUN.started or None))
     if not items and timeout is None:
         return None
     out: dict[str, Any] = {}

@@ -30,9 +30,10 @@ TimeoutOpt = Annotated[
         "--timeout",
         min=0.001,
         metavar="SECONDS",
-        help="Give up a store operation after this long, retries included (each retry is "
-        "logged on stderr).",
-        show_default="120 s",
+        help="The command's deadline for an object store: no request starts after it, one "
+        "in flight is abandoned, and the command fails (exit 4); with pull --watch, the bound "
+        "of each store operation. Retries are logged on stderr.",
+        show_default="none: each store operation gives up after 120 s of retries",
     ),
 ]
 

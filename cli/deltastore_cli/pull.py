@@ -104,7 +104,8 @@ def pull(
             lease_key(reader_id)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--reader-id") from None
-    options = parse_storage_options(storage_option, timeout=timeout)
+    # --watch runs until stopped: --timeout bounds each store operation, not the command
+    options = parse_storage_options(storage_option, timeout=timeout, deadline=not watch)
     lease: dict[str, Any] = {"reader_id": reader_id, "lease_ttl": lease_ttl or None}
     if watch:
         if version is not None:

@@ -4,7 +4,10 @@
 ``pipe_file``, ``find``, ``rm_file``), without fsspec's instance or listing caches (a poller
 must never see stale state), and retries transient failures with :class:`RetryPolicy`: each
 retry is logged at WARNING (what failed, attempt n of m, the wait), and ``timeout`` (seconds)
-bounds the whole operation. The conditional writes (create-if-absent, compare-and-swap) are
+bounds the whole operation. A process may also set one deadline for all its store operations
+(:func:`command_deadline`, what ``deltastore --timeout`` does): no attempt starts after it, an
+attempt in flight at it is abandoned, and the error reports the attempts made and the time
+since the deadline was set. The conditional writes (create-if-absent, compare-and-swap) are
 backend-specific: each backend module subclasses it and implements them with what the service
 guarantees.
 
@@ -22,9 +25,10 @@ import dataclasses
 import errno
 import logging
 import random
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -89,6 +93,95 @@ class RetryPolicy:
         ]
 
 
+class DeadlineReached(TimeoutError):
+    """An attempt still had no answer when the command's deadline came (it was abandoned)."""
+
+
+@dataclass
+class Deadline:
+    """One deadline for every store operation of a process (a command): ``seconds`` after
+    ``start`` (``time.monotonic()``). Counts the attempts that failed and keeps the last
+    error, for the message of the operation that gives up. Thread-safe."""
+
+    seconds: float
+    start: float = dataclasses.field(default_factory=time.monotonic)
+    failed_attempts: int = 0
+    last_error: str = ""
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def end(self) -> float:
+        return self.start + self.seconds
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self.failed_attempts += 1
+            self.last_error = _describe(exc)
+
+    def summary(self, now: float) -> str:
+        """``3 failed attempts in 5.0 s``: this deadline's attempts and elapsed seconds."""
+        n = self.failed_attempts
+        return f"{n} failed attempt{'' if n == 1 else 's'} in {now - self.start:.1f} s"
+
+
+_deadline: Deadline | None = None
+
+
+def current_deadline() -> Deadline | None:
+    """The deadline :func:`command_deadline` set, or None."""
+    return _deadline
+
+
+@contextlib.contextmanager
+def command_deadline(seconds: float | None, *, start: float | None = None) -> Iterator[None]:
+    """Bound every store operation of this process, in every thread, by one deadline:
+    ``seconds`` after ``start`` (``time.monotonic()``; default: now). No attempt starts after
+    it; an attempt still running at it is abandoned (its thread is left to end by the
+    request's own timeouts, its result dropped) and the operation fails with
+    :class:`StoreError`. None: no deadline (each operation is bounded by its own
+    ``timeout``). Process-wide state, meant for a command-line process (``deltastore
+    --timeout``): set it from one thread, around the whole command. Local stores are not
+    bounded by it (a local file operation has no timeout)."""
+    global _deadline
+    previous = _deadline
+    _deadline = (
+        None
+        if seconds is None
+        else Deadline(seconds, start=time.monotonic() if start is None else start)
+    )
+    try:
+        yield
+    finally:
+        _deadline = previous
+
+
+def _within(fn: Callable[[], T], seconds: float) -> T:
+    """``fn()`` in a daemon thread, waited for at most ``seconds``; :class:`DeadlineReached`
+    if it has not returned by then (it is left running; its result or error is dropped)."""
+    outcome: list[tuple[bool, Any]] = []
+    done = threading.Event()
+    started = time.monotonic()
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:
+            outcome.append((False, exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="deltastore-store-attempt", daemon=True).start()
+    if not done.wait(max(0.0, seconds)):
+        raise DeadlineReached(
+            f"no answer in {time.monotonic() - started:.1f} s, when the deadline came "
+            "(attempt abandoned)"
+        )
+    ok, value = outcome[0]
+    if ok:
+        return value  # type: ignore[no-any-return]
+    raise value
+
+
 def request_timeouts(timeout: float | None, connect: float, read: float) -> tuple[float, float]:
     """Per-request (connect, read) timeouts: the backend's defaults, never above ``timeout``."""
     if timeout is None:
@@ -150,15 +243,29 @@ class FsspecStore(Store):
 
         Each retry is logged at WARNING; no retry starts after the policy's
         ``total_seconds`` (the store's ``timeout``). Within that time after an operation
-        gave up on transient errors, an operation makes one attempt."""
+        gave up on transient errors, an operation makes one attempt. Under a
+        :func:`command_deadline`, no attempt starts after it and one in flight at it is
+        abandoned."""
         policy = self.retry
         start = time.monotonic()
+        command = _deadline
         deadline = start + policy.total_seconds
+        if command is not None:
+            deadline = min(deadline, command.end)
+            if start >= deadline:
+                raise StoreError(
+                    f"{op} {key} in store {self.url} not attempted: the deadline of "
+                    f"{command.seconds:g} s (--timeout) has passed (the command made "
+                    f"{command.summary(start)}"
+                    + (f"; last error: {command.last_error}" if command.last_error else "")
+                    + "); check the endpoint, the network and the credentials, or allow "
+                    "more time (--timeout)"
+                )
         delays = policy.delays()
         attempts = 1 if start < self._failing_until else policy.attempts
         for attempt in range(1, attempts + 1):
             try:
-                result = fn()
+                result = fn() if command is None else _within(fn, deadline - time.monotonic())
                 self._failing_until = 0.0
                 return result
             except (
@@ -178,7 +285,20 @@ class FsspecStore(Store):
                     self._failing_until = 0.0  # the service answered
                     raise StoreError(f"{op} {key} in store {self.url} failed: {exc}") from exc
                 now = time.monotonic()
+                if command is not None:
+                    command.failed(exc)
                 if attempt == attempts or now + delays[attempt - 1] > deadline:
+                    if command is not None and deadline == command.end:
+                        self._failing_until = now + policy.total_seconds
+                        when = "at" if now >= deadline else "no time left for a retry before"
+                        raise StoreError(
+                            f"{op} {key} in store {self.url} still failing after {attempt} "
+                            f"attempt{'s' if attempt > 1 else ''} in {now - start:.1f} s, "
+                            f"{when} the deadline of {command.seconds:g} s (--timeout): the "
+                            f"command made {command.summary(now)}; last error: "
+                            f"{_describe(exc)}; check the endpoint, the network and the "
+                            "credentials, or allow more time (--timeout)"
+                        ) from exc
                     bound = (
                         f"at most {policy.attempts} attempts within {policy.total_seconds:g} s"
                         if attempts > 1
@@ -214,8 +334,13 @@ class FsspecStore(Store):
             return
         missing = exc is not None and self._says_bucket_missing(exc)
         if not missing and probe:
+            command = _deadline
             try:
-                exists = self._bucket_exists()
+                exists = (
+                    self._bucket_exists()
+                    if command is None
+                    else _within(self._bucket_exists, command.end - time.monotonic())
+                )
             except Exception as err:  # unknown (network, permission): say nothing
                 log.debug("bucket check of store %s failed: %r", self.url, err)
                 return
