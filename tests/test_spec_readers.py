@@ -254,6 +254,11 @@ def test_a_copy_with_a_parent_is_not_used(tmp_path: Path, caplog: pytest.LogCapt
     sub = Subscriber(store, lease_ttl=None)
     assert sub.sync().applied == (1, 2, 3, 4)
     assert_bit_exact(states[-1], sub.tensors)
+    found = verify_store(root)
+    assert [(p.kind, p.version, p.key) for p in found.problems] == [(MANIFEST, 3, anchor_key(3))], (
+        found.problems
+    )
+    assert "has a parent" in found.problems[0].message
 
 
 def test_a_copy_written_at_another_time_by_another_writer_is_used(tmp_path: Path) -> None:

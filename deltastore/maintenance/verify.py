@@ -280,12 +280,17 @@ def _check_link(m: Manifest, parent: Manifest, problems: _Found) -> bool:
 
 
 def _usable_copies(chain: Chain, problems: _Found) -> dict[int, Manifest]:
-    """The anchor copies of committed versions that hold their version's state; each other
-    one is a problem (a copy of no committed version, or of another state)."""
+    """The usable anchor copies (spec section 9.4): of committed versions whose manifest is
+    good, holding their version's state, without a parent; each other one is a problem (a
+    copy of no committed version, of another state, or with a parent). The copy of a version
+    whose manifest is damaged is not usable, and not a problem of its own."""
     usable = {}
     for v, c in sorted(chain.copies.items()):
         m = chain.manifests.get(v)
-        if m is not None and m.state_digest == c.state_digest:
+        if m is not None and m.state_digest == c.state_digest and c.parent is not None:
+            msg = f"anchor copy has a parent (version {c.parent.version}); a copy has none"
+            problems.add(MANIFEST, v, anchor_key(v), msg)
+        elif m is not None and m.state_digest == c.state_digest:
             usable[v] = c
         elif m is not None or v not in chain.listed:
             what = "no committed version" if m is None else "another state than its version"
