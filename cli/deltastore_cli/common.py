@@ -28,6 +28,7 @@ from rich.text import Text
 from deltastore.errors import (
     ChainError,
     DeltastoreError,
+    DiskFullError,
     FrameError,
     IntegrityError,
     InvalidKeyError,
@@ -51,12 +52,14 @@ EXIT_STORE = 4
 EXIT_DAMAGED = 5
 EXIT_MISMATCH = 6
 EXIT_CONFLICT = 7
+EXIT_NO_SPACE = 8
 EXIT_INTERRUPTED = 130
 
 #: First match wins: specific classes before their bases.
 EXIT_CODES: list[tuple[type[BaseException], int]] = [
     (ObjectNotFoundError, EXIT_NOT_FOUND),
     (VersionExistsError, EXIT_CONFLICT),
+    (DiskFullError, EXIT_NO_SPACE),  # before StoreError: a full local store is both
     (StoreError, EXIT_STORE),
     (IntegrityError, EXIT_DAMAGED),
     (FrameError, EXIT_DAMAGED),

@@ -45,6 +45,7 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
+from deltastore.checkpoint.interrupts import DeferredSignals
 from deltastore.checkpoint.safetensors import (
     INDEX_NAME,
     CheckpointError,
@@ -67,11 +68,15 @@ from deltastore.checkpoint.state import (
     finish_switch,
     fsync_files,
     n_tensors,
+    no_room_to_switch,
+    not_recorded,
     read_state,
+    switch_files,
     write_json,
 )
 from deltastore.errors import (
     ChainError,
+    DiskFullError,
     ManifestNotFoundError,
     ObjectNotFoundError,
     StoreError,
@@ -84,6 +89,7 @@ from deltastore.progress import ProgressFn
 from deltastore.publish.publisher import Publisher, PublishReport
 from deltastore.store import open_store
 from deltastore.store.registry import store_url
+from deltastore.store.space import no_room
 from deltastore.sync.lease import default_reader_id
 from deltastore.sync.poll import PollSchedule
 from deltastore.sync.subscriber import Subscriber, SyncReport
@@ -177,6 +183,8 @@ class FolderSync:
         subscriber_options.setdefault("reader_id", default_reader_id())
         self._url, self._opts, self._sub_opts = url, storage_options, subscriber_options
         self._repair = repair
+        # Ctrl-C held back from a version's first write until its record (see _recorded)
+        self._signals = DeferredSignals()
         self._ckpt: MappedCheckpoint | None = None
         self._sub: Subscriber[HostTensor] | None = None
         self._state: FolderState | None = None
@@ -189,11 +197,13 @@ class FolderSync:
         self._ckpt = self._sub = None
         self._checked = False
         if self.dest.is_dir():
-            finish_switch(self.dest)
+            with self._signals.held():  # a switch is finished whole (or not started)
+                finish_switch(self.dest)
         self._state = read_state(self.dest)
         if self._state is not None:
             self._ckpt = MappedCheckpoint(locate(self.dest), writable=True)
-            self._sub = self._subscriber(self._ckpt.host)  # its state: once checked
+            # its state: once checked
+            self._sub = self._subscriber(self._ckpt.host, recorded=True)
         elif self.dest.exists() and any(self.dest.iterdir()) and not (self.dest / PENDING).exists():
             raise CheckpointError(
                 f"{self.dest} is not empty and holds no {SIDECAR}: pull into an empty or new "
@@ -215,10 +225,24 @@ class FolderSync:
         tensors: MutableMapping[str, HostTensor] | None,
         version: int | None = None,
         names: list[str] | None = None,
+        *,
+        recorded: bool = False,
     ) -> Subscriber[HostTensor]:
+        """A subscriber over ``tensors``; ``recorded``: one whose versions :meth:`_recorded`
+        records, so Ctrl-C is held back from the start of each write phase (its ``pause``
+        hook, before the caller's) until the version is recorded."""
         opts = dict(self._sub_opts)
         if names is not None:  # hold and sync only these tensors
             opts["layout"] = Layout.identity(names)
+        if recorded:
+            user_pause = opts.get("pause")
+
+            def pause() -> None:
+                self._signals.hold()
+                if user_pause is not None:
+                    user_pause()
+
+            opts["pause"] = pause
         return Subscriber(
             self._url, storage_options=self._opts, tensors=tensors, version=version, **opts
         )
@@ -297,25 +321,34 @@ class FolderSync:
             )
         stage = self.dest / STAGING
         shutil.rmtree(stage, ignore_errors=True)
-        begin(self.dest, recorded, goal.version)
         try:
+            with self._signals.held():
+                begin(self.dest, recorded, goal.version)
             stage.mkdir()
-            ckpt = MappedCheckpoint(
-                create_checkpoint(stage, table_of_manifest(goal)), writable=True
+            try:
+                files = create_checkpoint(stage, table_of_manifest(goal))
+                ckpt = MappedCheckpoint(files, writable=True)
+                report = self._subscriber(ckpt.host).sync(goal.version, progress=progress)
+                with no_room(stage, f"the new files of version {goal.version}"):
+                    ckpt.flush()
+                    fsync_files(stage)
+                    _write_state(stage, goal)
+            except DiskFullError as exc:
+                raise no_room_to_switch(self.dest, exc, recorded, goal.version) from None
+            log.info(
+                "%s: version %d has another tensor table: new files built",
+                self.dest,
+                goal.version,
             )
-            report = self._subscriber(ckpt.host).sync(goal.version, progress=progress)
-            ckpt.flush()
-            fsync_files(stage)
-            _write_state(stage, goal)
+            with self._signals.held():  # the commit point, and this object knowing of it
+                commit_switch(self.dest, recorded, goal.version)
+                self._reopen = True
         except BaseException:
-            shutil.rmtree(stage, ignore_errors=True)
-            end(self.dest)
+            with self._signals.held():
+                if switch_files(self.dest) is None:  # not committed: the folder is unchanged
+                    shutil.rmtree(stage, ignore_errors=True)
+                    end(self.dest)
             raise
-        log.info(
-            "%s: version %d has another tensor table: new files built", self.dest, goal.version
-        )
-        commit_switch(self.dest, recorded, goal.version)
-        self._reopen = True
         self._open()  # finishes the switch; a later pull does if this fails
         if self._sub is None or self._state is None:  # pragma: no cover - the switch wrote both
             raise CheckpointError(f"{self.dest}: the switch to version {goal.version} failed")
@@ -334,27 +367,42 @@ class FolderSync:
     ) -> SyncReport:
         """Run ``sync`` between the pending marker's creation and removal; each version it
         applies is flushed, then recorded in the sidecar. The marker stays when recording
-        failed (the files may then be ahead of the sidecar)."""
-        begin(self.dest, recorded, target)
+        failed (the files may then be ahead of the sidecar: the next pull repairs them).
+
+        Ctrl-C (SIGINT, and SIGTERM where Python handles it) is held back from the start of a
+        version's write phase (the subscriber's ``pause`` hook, see :meth:`_subscriber`) or of
+        its record until the sidecar is replaced (:class:`DeferredSignals`): an interrupt
+        lands before the first write (the subscriber writes nothing, or rolls a failed write
+        back) or after the record, so the files are always at the recorded version."""
         unrecorded = False
 
         def record(m: Manifest) -> None:
             nonlocal unrecorded
+            self._signals.hold()  # already held when the version went through a write phase
             unrecorded = True
-            ckpt.flush()
-            _write_state(self.dest, m)
+            try:
+                with no_room(self.dest, f"the record of version {m.version}"):
+                    ckpt.flush()
+                    _write_state(self.dest, m)
+            except DiskFullError as exc:
+                raise not_recorded(self.dest, exc, m.version) from None
             self._state = FolderState(
                 m.version, m.state_digest, {n: e.adler32 for n, e in m.tensors.items()}
             )
             unrecorded = False
+            self._signals.release()  # a Ctrl-C held back is raised here, once recorded
 
         try:
+            with self._signals.held():
+                begin(self.dest, recorded, target)
             report = sync(record)
         except BaseException:
             if not unrecorded:  # the subscriber left the files at the recorded version
                 end(self.dest)
+            self._signals.release()
             raise
-        end(self.dest)
+        with self._signals.held():
+            end(self.dest)
         return report
 
     def _create(self, version: int | None, progress: ProgressFn | None) -> SyncReport:
@@ -377,16 +425,18 @@ class FolderSync:
             begin(self.dest, None, target)
             ckpt = MappedCheckpoint(create_checkpoint(self.dest, table), writable=True)
         except BaseException:
-            self._remove_created(existed)
+            with self._signals.held():
+                self._remove_created(existed)
             raise
-        sub = self._subscriber(ckpt.host)
+        sub = self._subscriber(ckpt.host, recorded=True)
         try:
             return self._recorded(
                 ckpt, None, target, lambda rec: sub.sync(target, progress=progress, on_version=rec)
             )
         except BaseException:
-            if read_state(self.dest) is None:
-                self._remove_created(existed)  # nothing usable was written: leave no debris
+            with self._signals.held():
+                if read_state(self.dest) is None:
+                    self._remove_created(existed)  # nothing usable was written: leave no debris
             raise
         finally:
             self._state = read_state(self.dest)
@@ -485,15 +535,16 @@ class FolderSync:
         ]
         anchor = runs[-1][1].applied[0] if rebuilt else None
         ckpt.flush()
-        sub = self._subscriber(ckpt.host, target)
+        sub = self._subscriber(ckpt.host, target, recorded=True)
         t_verify = time.perf_counter()
         sub.verify()  # every tensor at the target before anything is recorded
         verify_s = time.perf_counter() - t_verify
         # what was fetched and changed: the frames of each group's tensors only (read before
         # the state is recorded, so nothing can fail once the folder is repaired)
         held = [probe.manifest(v).tensors[n] for names, r in runs for v in r.applied for n in names]
-        _write_state(self.dest, goal)
-        end(self.dest)
+        with self._signals.held(), no_room(self.dest, f"version {target}"):
+            _write_state(self.dest, goal)
+            end(self.dest)
         self._ckpt, self._sub, self._checked = ckpt, sub, True
         self._state = FolderState(
             target, goal.state_digest, {n: e.adler32 for n, e in goal.tensors.items()}

@@ -35,6 +35,7 @@ import numpy as np
 
 from deltastore.errors import CheckpointError
 from deltastore.format.dtypes import SAFETENSORS_CODES, SAFETENSORS_NAMES, itemsize, word_dtype
+from deltastore.store.space import disk_full, is_disk_full, reserve
 from deltastore.tensors.dtypes import dtype_name
 from deltastore.tensors.host import HostTensor, Tensors
 
@@ -187,11 +188,17 @@ def create_checkpoint(
     *,
     max_shard_bytes: int = 5 << 30,
 ) -> dict[str, TensorLocation]:
-    """Create empty (sparse, zero-filled) safetensors files in ``dest`` for ``table``.
+    """Create zero-filled safetensors files in ``dest`` for ``table``, their disk blocks
+    reserved (:func:`deltastore.store.space.reserve`), so that writing the tensors through a
+    writable :class:`MappedCheckpoint` cannot fail for lack of space.
 
     One ``model.safetensors`` when everything fits in ``max_shard_bytes``, otherwise shards
     ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``. Tensors are
     ordered by element size (largest first), then name, so every tensor is aligned.
+
+    Raises :class:`~deltastore.errors.DiskFullError` (naming ``dest``, the bytes every file
+    needs and the bytes free) when the file system has no room (``ENOSPC``, ``EDQUOT``); on
+    any error the files this call created are removed again (``dest`` itself is left).
     """
     unsupported = sorted({dtype for dtype, _ in table.values() if dtype not in SAFETENSORS_CODES})
     if unsupported:
@@ -217,21 +224,43 @@ def create_checkpoint(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
+    files = [
+        (folder / fname, _header({n: table[n] for n in members}))
+        for fname, members in zip(names, shards, strict=True)
+    ]
+    needed = sum(len(head) + data for _, (head, data) in files)
+    created: list[Path] = []
     out: dict[str, TensorLocation] = {}
-    for fname, members in zip(names, shards, strict=True):
-        out |= _write_empty(folder / fname, {n: table[n] for n in members})
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(loc.stop - loc.start for loc in out.values())},
-            "weight_map": {n: out[n].path.name for n in sorted(out)},
-        }
-        (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    try:
+        for path, (head, data) in files:
+            created.append(path)
+            _write_reserved(path, head, data)
+            out |= read_header(path)
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(loc.stop - loc.start for loc in out.values())},
+                "weight_map": {n: out[n].path.name for n in sorted(out)},
+            }
+            created.append(folder / INDEX_NAME)
+            (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    except BaseException as exc:
+        for path in created:
+            path.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and is_disk_full(exc):
+            raise disk_full(
+                folder,
+                exc,
+                needed=needed,
+                what=f"a checkpoint of {len(table)} tensors",
+                todo="free space or pull into a folder on another disk, then pull again",
+            ) from None
+        raise
     return out
 
 
-def _write_empty(
-    path: Path, table: Mapping[str, tuple[str, tuple[int, ...]]]
-) -> dict[str, TensorLocation]:
+def _header(table: Mapping[str, tuple[str, tuple[int, ...]]]) -> tuple[bytes, int]:
+    """The safetensors header of ``table`` (length prefix included, padded to 8 bytes) and
+    the number of data bytes after it."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, (dtype, shape) in table.items():
@@ -244,10 +273,16 @@ def _write_empty(
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offset
+
+
+def _write_reserved(path: Path, head: bytes, data: int) -> None:
+    """Write ``head`` then ``data`` zero bytes, every block reserved (no hole)."""
     with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)) + raw)
-        fh.truncate(8 + len(raw) + offset)
-    return read_header(path)
+        fh.write(head)
+        fh.flush()
+        reserve(fh.fileno(), len(head), data)
+        fh.truncate(len(head) + data)  # the size, whichever way the blocks were reserved
 
 
 def table_of(tensors: Tensors) -> dict[str, tuple[str, tuple[int, ...]]]:

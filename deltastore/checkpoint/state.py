@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from deltastore.checkpoint.safetensors import INDEX_NAME, CheckpointError
+from deltastore.errors import DiskFullError
+from deltastore.store.space import human, no_room
 
 SIDECAR = ".deltastore.json"
 SIDECAR_FORMAT = 1
@@ -132,16 +134,56 @@ def fsync_files(folder: Path) -> None:
 
 def write_json(dest: Path, name: str, body: dict[str, Any]) -> None:
     """Replace ``dest/name`` atomically and durably (temp file, fsync, rename, fsync folder);
-    temp files a killed writer left behind are removed first."""
+    temp files a killed writer left behind are removed first. On any error before the rename
+    the temp file is removed and ``dest/name`` is unchanged; a full disk or quota raises
+    :class:`~deltastore.errors.DiskFullError`."""
     for stale in dest.glob(f".{name}.*"):
         stale.unlink(missing_ok=True)
+    data = json.dumps(body, indent=1).encode()
     tmp = dest / f".{name}.{uuid.uuid4().hex}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(body, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, dest / name)
+    try:
+        with no_room(dest, name, needed=len(data)):
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, dest / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(dest)
+
+
+def no_room_to_switch(
+    dest: Path, exc: DiskFullError, recorded: int | None, target: int
+) -> DiskFullError:
+    """The error for the files of a new tensor table that found no room in the staging
+    folder beside the folder's (the folder unchanged)."""
+    need = f"they need {human(exc.needed)}" if exc.needed is not None else "they need more"
+    return DiskFullError(
+        f"no space left in {dest}: version {target} has another tensor table, so its files "
+        f"are built in {STAGING} beside the folder's before they replace them; {need}, "
+        f"{human(exc.free)} free. Nothing was changed: the folder stays at version "
+        f"{recorded}. Free space, or pull version {target} into a new folder on a disk "
+        "with room",
+        errno=exc.errno,
+        filename=str(dest),
+        needed=exc.needed,
+        free=exc.free,
+    )
+
+
+def not_recorded(dest: Path, exc: DiskFullError, version: int) -> DiskFullError:
+    """The error for a version written in place whose record found no room: the marker
+    stays, so the next pull checks the files and records it."""
+    return DiskFullError(
+        f"{exc}. Version {version} is written in {dest} but not recorded ({PENDING} is "
+        "left): once there is room, the next pull checks the files and records it",
+        errno=exc.errno,
+        filename=str(dest),
+        needed=exc.needed,
+        free=exc.free,
+    )
 
 
 def begin(dest: Path, recorded: int | None, target: int) -> None:
@@ -165,19 +207,28 @@ def commit_switch(dest: Path, recorded: int | None, target: int) -> None:
     write_json(dest, PENDING, body)
 
 
-def finish_switch(dest: Path) -> bool:
-    """Complete a committed switch (see the module docstring), or remove the staging folder of
-    one that was not committed. Returns whether a switch was completed."""
-    stage = dest / STAGING
+def switch_files(dest: Path) -> list[str] | None:
+    """The files of the switch the marker commits (:func:`commit_switch`), or None when no
+    switch was committed (no marker, a marker of another kind, or not ours)."""
     try:
         body = json.loads((dest / PENDING).read_text())
     except (OSError, ValueError):  # no marker (or not ours): nothing was committed
-        body = None
+        return None
     files = body.get("switch") if isinstance(body, dict) else None
     if not (
         isinstance(files, list)
         and all(isinstance(n, str) and _data_file(n) and Path(n).name == n for n in files)
     ):
+        return None
+    return files
+
+
+def finish_switch(dest: Path) -> bool:
+    """Complete a committed switch (see the module docstring), or remove the staging folder of
+    one that was not committed. Returns whether a switch was completed."""
+    stage = dest / STAGING
+    files = switch_files(dest)
+    if files is None:
         if stage.is_dir():
             shutil.rmtree(stage)
         return False
@@ -208,6 +259,9 @@ __all__ = [
     "end",
     "finish_switch",
     "fsync_files",
+    "no_room_to_switch",
+    "not_recorded",
     "read_state",
+    "switch_files",
     "write_json",
 ]

@@ -33,10 +33,16 @@ from deltastore.format.dtypes import itemsize, word_dtype
 from deltastore.format.keys import manifest_key
 from deltastore.format.manifest import parse_manifest
 from deltastore.store import Store
+from deltastore.store.space import no_room, reserve
 
 log = logging.getLogger("deltastore.publish.publisher")
 
 STATE_FORMAT = 1
+#: What to do when the state folder is full (the version is committed all the same).
+_TODO = (
+    "free space there or give another state folder (CLI: --state-dir); until then the next "
+    "publish needs its parent (CLI: --parent) or writes an anchor"
+)
 
 
 def row_range(shape: Sequence[int], rows: tuple[int, int]) -> tuple[int, int]:
@@ -108,12 +114,20 @@ class MemorySnapshot:
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
+    """Replace ``path`` with ``obj`` as JSON (temp file, fsync, rename); the temp file is
+    removed on error, a full disk or quota raises :class:`~deltastore.errors.DiskFullError`."""
+    data = json.dumps(obj).encode()
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with no_room(path.parent, path.name, needed=len(data), todo=_TODO):
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class DiskSnapshot(MemorySnapshot):
@@ -131,22 +145,32 @@ class DiskSnapshot(MemorySnapshot):
         _write_json_atomic(self._state_file, {"format": STATE_FORMAT, "dirty": True})
 
     def replace(self, words: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Write ``words`` to a new ``snapshot.bin`` (its blocks reserved before it is mapped,
+        :func:`deltastore.store.space.reserve`) and map it; on error the new file is removed
+        and a full disk or quota raises :class:`~deltastore.errors.DiskFullError`."""
         self.dir.mkdir(parents=True, exist_ok=True)
         offsets, total = {}, 0
         for name, w in words.items():
             offsets[name] = total
             total += -(-w.nbytes // 64) * 64
         tmp = self.dir / f".snapshot.{uuid.uuid4().hex}"
-        with open(tmp, "wb") as fh:
-            fh.truncate(max(total, 1))
-        new = np.memmap(tmp, dtype=np.uint8, mode="r+")
-        out = {}
-        for name, w in words.items():
-            view = new[offsets[name] : offsets[name] + w.nbytes].view(w.dtype)
-            view[:] = w
-            out[name] = view
-        new.flush()
-        os.replace(tmp, self._data_file)
+        what = f"the publisher state ({len(words)} tensors)"
+        try:
+            with no_room(self.dir, what, needed=total, todo=_TODO):
+                with open(tmp, "wb") as fh:
+                    reserve(fh.fileno(), 0, max(total, 1))
+                    fh.truncate(max(total, 1))
+                new = np.memmap(tmp, dtype=np.uint8, mode="r+")
+                out = {}
+                for name, w in words.items():
+                    view = new[offsets[name] : offsets[name] + w.nbytes].view(w.dtype)
+                    view[:] = w
+                    out[name] = view
+                new.flush()
+                os.replace(tmp, self._data_file)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         self._map, self._offsets = new, offsets
         return out
 

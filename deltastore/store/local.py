@@ -25,9 +25,11 @@ from deltastore.errors import (
     ObjectNotFoundError,
     PreconditionFailedError,
     StoreError,
+    StoreFullError,
     VersionExistsError,
 )
 from deltastore.store.base import Store, validate_key
+from deltastore.store.space import disk_full, is_disk_full
 
 
 def _fsync_dir(path: Path) -> None:
@@ -69,7 +71,7 @@ class LocalStore(Store):
         return self.root / validate_key(key)
 
     @contextlib.contextmanager
-    def _errors(self, op: str, key: str) -> Iterator[None]:
+    def _errors(self, op: str, key: str, needed: int | None = None) -> Iterator[None]:
         try:
             yield
         except FileNotFoundError:
@@ -77,6 +79,15 @@ class LocalStore(Store):
         except OSError as exc:
             if isinstance(exc, StoreError):
                 raise
+            if is_disk_full(exc):  # as the message of a full folder, and a StoreError
+                raise disk_full(
+                    self.root,
+                    exc,
+                    needed=needed,
+                    what=f"{key} of store {self.url}",
+                    todo="free space in the store's file system, then write again",
+                    cls=StoreFullError,
+                ) from None
             raise StoreError(f"{op} {key} in store {self.url} failed: {exc}") from exc
 
     def get(self, key: str) -> bytes:
@@ -92,17 +103,22 @@ class LocalStore(Store):
             return fh.read(max(0, min(length, size - start)))
 
     def _write_temp(self, path: Path, data: bytes) -> Path:
+        """``data`` in a new durable temp file beside ``path``; removed again on error."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex}"
-        with _create(tmp) as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with _create(tmp) as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return tmp
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        with self._errors("put", key):
+        with self._errors("put", key, len(data)):
             tmp = self._write_temp(path, data)
             try:
                 os.replace(tmp, path)
@@ -113,7 +129,7 @@ class LocalStore(Store):
 
     def put_if_absent(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        with self._errors("put_if_absent", key):
+        with self._errors("put_if_absent", key, len(data)):
             tmp = self._write_temp(path, data)
             try:
                 os.link(tmp, path)
