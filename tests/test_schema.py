@@ -8,8 +8,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from deltastore import ManifestError, parse_manifest
-from deltastore.format.manifest import json_schema
+from deltastore import ManifestError
+from deltastore.format.manifest import json_schema, parse_manifest
 from deltastore.format.schema import main as schema_main
 
 SCHEMA_DIR = Path(__file__).parent.parent / "manifests" / "schema"

@@ -181,7 +181,9 @@ def test_every_public_name_imports_lazily_and_is_listed() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     before, unlisted, got, missing_raises = json.loads(out.stdout)
-    assert before == ["deltastore._version"]  # nothing imported before first use
+    # nothing imported before first use but the errors (standard library only: their
+    # __all__ is the public list of errors)
+    assert before == ["deltastore._version", "deltastore.errors"]
     assert unlisted == [] and got == names and missing_raises
     with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
         _ = deltastore.NoSuchName  # type: ignore[attr-defined]
@@ -196,6 +198,10 @@ def test_type_checking_imports_match_the_lazy_exports() -> None:
             for imp in node.body:
                 assert isinstance(imp, ast.ImportFrom) and imp.module is not None
                 for alias in imp.names:
+                    if alias.name == "*":  # the errors: every name of errors.__all__
+                        assert imp.module == "deltastore.errors"
+                        seen.update(dict.fromkeys(deltastore.errors.__all__, imp.module))
+                        continue
                     assert alias.asname == alias.name, alias.name  # an explicit re-export
                     seen[alias.name] = imp.module
     exports = deltastore._EXPORTS  # type: ignore[attr-defined]
