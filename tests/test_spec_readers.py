@@ -27,8 +27,9 @@ from typer.testing import CliRunner
 
 from deltastore import LocalStore, Publisher, Subscriber
 from deltastore.catalog.chain import ChainReader
-from deltastore.errors import ChainError, IntegrityError, ManifestError
+from deltastore.errors import ChainError, IntegrityError, ManifestError, ObjectNotFoundError
 from deltastore.format import keys, lease
+from deltastore.format.chain import State
 from deltastore.format.keys import anchor_key, data_prefix, manifest_key
 from deltastore.format.manifest import Parent, parse_manifest
 from deltastore.maintenance.retention import DEFAULT_LEASE_GRACE_S, retain
@@ -152,7 +153,19 @@ def test_a_failed_copy_falls_back_for_a_folder_pull(tmp_path: Path) -> None:
     assert report.ok and report.versions == (4,), report.problems
 
 
-def test_a_failed_copy_with_no_chain_raises_and_writes_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("damage", "error"),
+    [
+        ("missing-object", ObjectNotFoundError),
+        ("xxh3", IntegrityError),
+        ("adler32", IntegrityError),
+    ],
+)
+def test_a_failed_copy_with_no_chain_raises_and_writes_nothing(
+    tmp_path: Path, damage: str, error: type[Exception]
+) -> None:
+    """Held 1, versions 1 and 2 pruned: the copy of 3 is the only path, and its frames are
+    checked before anything is written (staged against the held tensors)."""
     root = tmp_path / "store"
     store, _ = publish(root, 4)
     held = Subscriber(store, lease_ttl=None)
@@ -160,11 +173,31 @@ def test_a_failed_copy_with_no_chain_raises_and_writes_nothing(tmp_path: Path) -
     before = {n: t.clone() for n, t in (held.tensors or {}).items()}
     for v in (1, 2):  # pruned as retention does: only the copy of 3 leads on
         (root / manifest_key(v)).unlink()
-    flip_byte(copy_objects(root, 3)[0])
-    with pytest.raises(IntegrityError, match="xxh3"):
+    DAMAGE[damage](root, 3)
+    with pytest.raises(error):
         held.sync(4)
     assert held.version == 1
     assert_bit_exact(before, held.tensors)
+
+
+def test_a_held_reader_whose_copy_fails_applies_the_deltas_from_its_version(
+    tmp_path: Path,
+) -> None:
+    """Every element changes per version, so the copy of 3 and the delta 4 cost less than the
+    deltas 2-4: the plan from version 1 takes the copy; its frames fail; the deltas follow."""
+    root = tmp_path / "store"
+    store = LocalStore(root)
+    pub = Publisher(store, anchor_policy="every:2")
+    states = [weights(v) for v in range(1, 5)]
+    for v, w in enumerate(states, start=1):
+        pub.publish(w, version=v)
+    held = Subscriber(store, lease_ttl=None)
+    held.sync(1)
+    assert ChainReader(store).plan(4, State.of(held.manifest(1))).copy == 3
+    break_frame_adler(root, 3)
+    report = held.sync(4)
+    assert report.path == "deltas" and report.applied == (2, 3, 4)
+    assert_bit_exact(states[-1], held.tensors)
 
 
 def test_verify_names_the_failed_anchor_copy(tmp_path: Path) -> None:
