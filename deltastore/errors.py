@@ -50,8 +50,10 @@ class PreconditionsIgnoredError(StoreError):
 
 
 class TransientError(StoreError):
-    """A failure worth retrying (5xx, throttling, connection reset, timeout); raised by the
-    store backends and retried there (importable from ``deltastore.store.fsspec_store`` too)."""
+    """A failure worth retrying (5xx, throttling, connection reset, timeout): a store backend
+    raises it, and the fsspec-based stores retry it with backoff, raising a plain
+    :class:`StoreError` when the retries run out (importable from
+    ``deltastore.store.fsspec_store`` too)."""
 
 
 class InvalidKeyError(DeltastoreError, ValueError):
