@@ -1,8 +1,15 @@
 """Instantiate vLLM's own model classes (no engine, no weights: on the meta device) at TP 1
-or TP 2 and derive deltastore's layout for each rank from them."""
+or TP 2 and derive deltastore's layout for each rank from them.
+
+Per rank and architecture the result holds the model's ``params`` (``named_parameters()``
+names and shapes, as vLLM made them), the HF config vLLM gives its workers (``hf_config``,
+what the worker extension passes to ``derive_layout``), the model ``class``, and the layout
+deltastore derives (``derived``). ``capture_layouts.py`` writes ``params`` and ``hf_config``
+to the fixture the main suite's ``tests/test_engines_vllm.py`` reads."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -30,7 +37,7 @@ def _rank(rank: int, world: int, port: int, archs: list[str], workdir: str, q: A
     out: dict[str, Any] = {}
     # vLLM creates its expert-parallel group only when the model parallel state is set up for
     # a MoE model: initialize under one
-    archs = sorted(archs, key=lambda a: a not in ("qwen3_moe", "mixtral"))
+    archs = sorted(archs, key=lambda a: a.split("+")[0] not in ("qwen3_moe", "mixtral"))
     os.environ["VLLM_DIST_IDENT"] = str(port)  # as vLLM's CPU worker sets it
     try:
         for i, arch in enumerate(archs):
@@ -55,6 +62,7 @@ def _rank(rank: int, world: int, port: int, archs: list[str], workdir: str, q: A
                 "params": params,
                 "derived": {n: list(s) for n, s in derived.shapes.items()},
                 "class": type(model).__name__,
+                "hf_config": json.loads(json.dumps(hf, default=str)),
             }
     except Exception as exc:  # reported to the test, which fails with it
         out["error"] = f"{type(exc).__name__}: {exc}"
