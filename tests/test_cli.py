@@ -848,7 +848,10 @@ def test_log_json(chain: tuple[Path, list[dict[str, Any]]]) -> None:
     assert [e["version"] for e in ok_json("log", store, "--limit", "2")] == [3, 2]
     assert ok_json("log", Path(store).parent / "no-such-store") == []
     header = ok("log", Path(store).parent / "no-such-store").stdout.split()
-    assert header == ["version", "kind", "parent", "changed", "payload", "of", "dense", "created"]
+    assert header == [
+        *("version", "kind", "parent", "changed", "payload", "of", "dense", "B/changed"),
+        *("anchor", "copy", "created"),
+    ]
 
 
 def test_log_text(chain: tuple[Path, list[dict[str, Any]]]) -> None:
@@ -862,6 +865,9 @@ def test_log_text(chain: tuple[Path, list[dict[str, Any]]]) -> None:
         "payload",
         "of",
         "dense",
+        "B/changed",
+        "anchor",
+        "copy",
         "created",
     ]
     rows = [line.split() for line in lines[1:]]
@@ -870,7 +876,9 @@ def test_log_text(chain: tuple[Path, list[dict[str, Any]]]) -> None:
     for row in rows:
         assert re.fullmatch(r"\d+\.\d{3}%", row[3])
         assert re.fullmatch(r"\d+\.\d{2}%", row[6])
-        assert re.fullmatch(r"\d{4}-\d\d-\d\dT[\d:.]+Z", row[7])
+        assert re.fullmatch(r"\d+\.\d{3}", row[7])  # payload bytes per changed element
+        assert row[8] in ("yes", "-")  # an anchor copy of this version
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT[\d:.]+Z", row[9])
 
 
 def test_show_json_is_the_manifest_and_validates(

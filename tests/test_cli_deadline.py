@@ -134,7 +134,11 @@ def test_a_silent_endpoint_ends_within_the_deadline(
     assert elapsed < DEADLINE + MARGIN, elapsed
     attempts, seconds = check_message(result, elapsed)
     assert seconds >= DEADLINE - 0.05, seconds  # it waited for the deadline, not less
-    assert attempts == silent.accepted, (attempts, silent.accepted)
+    time.sleep(0.2)  # the server's accept loop may lag behind the kernel's accepts
+    # each attempt connects once; the one abandoned at the deadline may not have connected
+    # yet (on a loaded machine its client can still be starting)
+    assert silent.accepted <= attempts <= silent.accepted + 1, (attempts, silent.accepted)
+    assert attempts >= 1
 
 
 # --- the count itself, where every attempt is seen -------------------------------------------

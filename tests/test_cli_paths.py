@@ -10,7 +10,6 @@ path. Names that come from a checkpoint's index file are not the user's: a shard
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +52,11 @@ def save(folder: Path, step: int) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def xdg_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def xdg_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Publisher state in a cache of this test (default_state_dir reads $XDG_CACHE_HOME)."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    yield cache
+    return cache
 
 
 def test_checkpoints_given_with_dotdot_are_read(

@@ -123,6 +123,8 @@ class Run:
     settled: bool = False
     #: "interrupted" was printed.
     interrupt_reported: bool = False
+    #: ``--json`` was given (before or after the command): errors are also a JSON object.
+    json: bool = False
     #: When the command started (``time.monotonic()``): ``--timeout`` counts from here.
     started: float = 0.0
     #: Closed when the command ends: the deadline of ``--timeout``.
@@ -163,6 +165,14 @@ def print_error(message: str) -> None:
     err_console.print(Text.assemble(("error:", "red"), " ", message), highlight=False)
 
 
+def print_json_error(code: int, kind: str, message: str) -> None:
+    """Under ``--json``, an error is also one JSON line on stdout, where the result would
+    have been: ``{"error": {"code": <exit code>, "type": "<error class>", "message": "..."}}``
+    (docs/cli.md, "Output")."""
+    if RUN.json:
+        print_json({"error": {"code": code, "type": kind, "message": message}})
+
+
 def command_failed(exc: BaseException, *, verbose: int) -> typer.Exit:
     """The one error handler: settle the outcome, print the line for ``exc`` (a
     :data:`HANDLED` exception that ended a command's work) and return the :class:`typer.Exit`
@@ -173,12 +183,15 @@ def command_failed(exc: BaseException, *, verbose: int) -> typer.Exit:
     (``deltastore_cli.app.App``); commands do not catch these errors themselves."""
     settle()
     if isinstance(exc, KeyboardInterrupt):
+        print_json_error(EXIT_INTERRUPTED, "KeyboardInterrupt", "interrupted")
         report_interrupt()
         return typer.Exit(EXIT_INTERRUPTED)
     if verbose:
         err_console.print_exception()
+    code = exit_code(exc)
+    print_json_error(code, type(exc).__name__, str(exc))
     print_error(str(exc))
-    return typer.Exit(exit_code(exc))
+    return typer.Exit(code)
 
 
 def parse_storage_options(

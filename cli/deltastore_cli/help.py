@@ -4,6 +4,8 @@
   bare and optional ones in brackets, as click does: typer would write ``{store} {dest}``.
 - Flags (``--json``, ``--help``, ``-v``...) take no value, so no value type is shown for them
   (typer's rich help writes ``<bool>`` and ``<int>`` as if they took one).
+- A command's line in ``deltastore --help`` is its docstring's first paragraph on one line
+  (typer's rich help keeps the docstring's line breaks there, mid-sentence).
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ def _tidy(params: list[Any]) -> None:
 
 class Command(typer.core.TyperCommand):
     """A subcommand: ``deltastore pull [OPTIONS] STORE DEST``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.short_help is None and self.help:
+            first = self.help.strip().split("\n\n")[0]
+            self.short_help = " ".join(first.split())
 
     def get_params(self, ctx: Any) -> list[Any]:
         params: list[Any] = super().get_params(ctx)

@@ -24,7 +24,8 @@ def log(
     timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """List committed versions, newest first."""
+    """List committed versions, newest first (payload bytes per changed element; which
+    versions the store also holds as an anchor copy)."""
     from deltastore.maintenance.history import version_log
 
     entries = version_log(
@@ -37,9 +38,11 @@ def log(
         print_json([e.to_json() for e in entries])
         return
     table = Table(box=None)
-    for col in ("version", "kind", "parent", "changed", "payload", "of dense", "created"):
+    columns = ("version", "kind", "parent", "changed", "payload", "of dense", "B/changed")
+    for col in (*columns, "anchor copy", "created"):
         table.add_column(col, justify="left" if col in ("kind", "created") else "right")
     for e in entries:
+        per = e.bytes_per_changed_element
         table.add_row(
             str(e.version),
             e.kind,
@@ -47,6 +50,8 @@ def log(
             f"{100 * e.changed_fraction:.3f}%",
             human_bytes(e.payload_bytes),
             f"{100 * e.payload_ratio:.2f}%",
+            "-" if per is None else f"{per:.3f}",
+            "yes" if e.anchor_copy else "-",
             e.created,
         )
     out_console.print(table)

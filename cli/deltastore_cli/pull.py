@@ -28,7 +28,9 @@ if TYPE_CHECKING:  # the library is imported when the command runs: --help impor
 def print_pull(report: SyncReport, json_out: bool) -> None:
     """One line for a pulled version (``--json``: the report as one JSON line)."""
     if json_out:
-        print_json(dataclasses.asdict(report))
+        n = report.changed_elements
+        per = report.payload_bytes / n if n else None
+        print_json(dataclasses.asdict(report) | {"bytes_per_changed_element": per})
         return
     if report.kind == "none":
         out_console.print(f"already at v{report.version}", highlight=False)

@@ -16,9 +16,13 @@ from deltastore_cli.common import (
     parse_storage_options,
     print_json,
     progress_bar,
+    settings,
     settle,
 )
 from deltastore_cli.options import JsonOpt, StorageOpt, TimeoutOpt
+
+#: Problems listed without ``-v`` (the summary line counts them all, by kind).
+MAX_LINES = 10
 
 
 def verify(
@@ -65,8 +69,14 @@ def verify(
     if json_out:
         print_json(report.to_json())
     else:
-        for problem in report.problems:
+        shown = report.problems if settings(ctx).verbose else report.problems[:MAX_LINES]
+        for problem in shown:
             out_console.print(Text(problem.line()), highlight=False)
+        if len(shown) < len(report.problems):
+            out_console.print(
+                f"... and {len(report.problems) - len(shown)} more problems (-v lists them all)",
+                highlight=False,
+            )
         out_console.print(Text(report.summary()), highlight=False)
     if report.empty:  # a store without any version: nothing was verified
         raise typer.Exit(EXIT_NOT_FOUND)

@@ -47,12 +47,20 @@ class VersionSummary(SizeRatios):
     dense_bytes: int
     frames: int
     created: str
+    #: The store also holds an anchor copy of this version (``anchors/<version>.json``).
+    anchor_copy: bool = False
+
+    @property
+    def bytes_per_changed_element(self) -> float | None:
+        """Payload bytes per changed element; None when no element changed."""
+        return self.payload_bytes / self.changed_elements if self.changed_elements else None
 
     def to_json(self) -> dict[str, Any]:
         """Plain dict for ``--json`` output, with the derived ratios."""
         return asdict(self) | {
             "changed_fraction": self.changed_fraction,
             "payload_ratio": self.payload_ratio,
+            "bytes_per_changed_element": self.bytes_per_changed_element,
         }
 
 
@@ -62,9 +70,11 @@ def version_log(
     storage_options: dict[str, Any] | None = None,
     limit: int | None = None,
 ) -> list[VersionSummary]:
-    """Committed versions, newest first (at most ``limit``), read from their manifests."""
+    """Committed versions, newest first (at most ``limit``), read from their manifests; which
+    of them carry an anchor copy comes from one listing of ``anchors/``."""
     reader = ChainReader(open_store(url, storage_options), keys=resolve_keys(FROM_ENV))
     versions = reader.versions()[::-1]
+    copies = set(reader.anchor_versions())
     out = []
     for v in versions[:limit] if limit is not None else versions:
         m = reader.manifest(v)
@@ -79,6 +89,7 @@ def version_log(
                 dense_bytes=m.dense_bytes,
                 frames=sum(len(t.frames) for t in m.tensors.values()),
                 created=m.created,
+                anchor_copy=m.version in copies,
             )
         )
     return out
