@@ -28,6 +28,13 @@ recorded state does not fit the store's chain (another state of its version, aft
 publisher race) is brought back onto it from the newest anchor at or below the target, with a
 warning.
 
+Ctrl-C (a ``KeyboardInterrupt`` in the main thread) never leaves the files ahead of the
+sidecar: it is held back from the start of a version's write phase until the version is
+recorded (:mod:`deltastore.checkpoint.interrupts`). Files created by a pull get their disk
+blocks before they are written through memory maps, so a full disk or quota raises
+:class:`~deltastore.errors.DiskFullError` (the files being created removed, the folder at its
+recorded version) instead of killing the process with SIGBUS.
+
 Not safe to run two pulls into the same folder at once.
 """
 
