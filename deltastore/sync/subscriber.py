@@ -115,7 +115,10 @@ class Subscriber(Generic[TensorT]):
     ``tensors`` + ``version``: tensors already at ``version``; checked once against its
     manifest (Adler-32 of every tensor) before the first delta is applied. ``tensors`` alone:
     preallocated buffers of unknown content, filled from the newest anchor by the first sync.
-    Neither: the first sync allocates tensors on ``device`` from the newest anchor.
+    Neither: the first sync allocates tensors on ``device`` from the newest anchor. Handed-over
+    tensors are torch's (CPU or device) or :class:`~deltastore.tensors.host.HostTensor` s
+    (numpy words, e.g. over a memory-mapped file: a subscriber of those never imports torch);
+    the tensors a subscriber allocates are torch's.
 
     A version that changes the tensor table (a tensor added, removed, reshaped or retyped; an
     anchor) is followed by a subscriber that allocated its tensors: it allocates new ones

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import typing
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -39,8 +39,6 @@ else:
 
 #: A tensor the tensor layer accepts: torch's (CPU or device) or a :class:`HostTensor`.
 Tensor: TypeAlias = "torch.Tensor | HostTensor"
-#: Tensors by name, all torch's or all host tensors (what a Subscriber keeps in sync).
-TensorMap: TypeAlias = "MutableMapping[str, torch.Tensor] | MutableMapping[str, HostTensor]"
 #: Read-only tensors by name, of either kind.
 Tensors: TypeAlias = "Mapping[str, torch.Tensor | HostTensor]"
 #: A tensor's words as :func:`deltastore.tensors.dtypes.flat_words` gives them: a 1-D integer
@@ -107,4 +105,4 @@ class HostTensor:
         return torch.from_numpy(raw).view(dtype_from_name(self.dtype)).reshape(self.shape)
 
 
-__all__ = ["HostTensor", "Tensor", "TensorMap", "TensorT", "Tensors", "Words"]
+__all__ = ["HostTensor", "Tensor", "TensorT", "Tensors", "Words"]
