@@ -260,15 +260,15 @@ def install(point: str, n: int) -> None:
 
         os.replace = move  # type: ignore[assignment]
     elif point == "create":  # the marker exists, the first file is half created
-        write_empty = checkpoint._write_empty
+        write_reserved = checkpoint._write_reserved
 
-        def create(path: Path, table: Any) -> Any:
+        def create(path: Path, head: bytes, data: int) -> None:
             if hit():
                 path.write_bytes(b"\x10\x00\x00")
                 die()
-            return write_empty(path, table)
+            write_reserved(path, head, data)
 
-        checkpoint._write_empty = create
+        checkpoint._write_reserved = create
     else:
         raise ValueError(point)
 
