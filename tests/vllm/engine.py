@@ -99,12 +99,42 @@ async def follow_async(a: argparse.Namespace) -> dict[str, Any]:
 
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(a.start, a.tp)))
     counter = iter(range(1 << 30))
+    # The timeline of each sync (time.monotonic seconds): the engine's pause and resume, each
+    # collective_rpc of the sync, when each output of the request served meanwhile came, and
+    # those of a probe request submitted right after generation was paused.
+    events: list[tuple[str, float, float]] = []
+    probe_stamps: list[float] = []
+    probes: list[Any] = []
 
-    async def one(prompt: list[int]) -> Any:
+    def timed(name: str, fn: Any) -> Any:
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.monotonic()
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                label = args[0] if name == "rpc" and args else name
+                events.append((str(label), t0, time.monotonic()))
+
+        return call
+
+    pause = engine.pause_generation
+
+    async def pause_and_probe(*args: Any, **kwargs: Any) -> Any:
+        done = await pause(*args, **kwargs)
+        probes.append(asyncio.ensure_future(one(tools.PROMPTS[2], probe_stamps)))
+        return done
+
+    engine.pause_generation = timed("pause_generation", pause_and_probe)
+    engine.resume_generation = timed("resume_generation", engine.resume_generation)
+    engine.collective_rpc = timed("rpc", engine.collective_rpc)
+
+    async def one(prompt: list[int], stamps: list[float] | None = None) -> Any:
         last = None
         async for r in engine.generate(TokensPrompt(prompt_token_ids=prompt), params(),
                                        request_id=f"r{next(counter)}"):  # fmt: skip
             last = r
+            if stamps is not None:
+                stamps.append(time.monotonic())
         return last
 
     async def batch() -> list[dict[str, Any]]:
@@ -113,11 +143,22 @@ async def follow_async(a: argparse.Namespace) -> dict[str, Any]:
     attached = await dv.attach_async(engine, a.store, version=a.at, reader_id="engine-under-test")
     out: dict[str, Any] = {"attached": attached, "start": await batch(), "steps": []}
     for v in a.versions:
-        background = asyncio.ensure_future(one(tools.PROMPTS[1]))  # served while the sync runs
+        stamps: list[float] = []
+        events.clear()
+        probe_stamps.clear()
+        probes.clear()
+        t0 = time.monotonic()
+        # served while the sync runs
+        background = asyncio.ensure_future(one(tools.PROMPTS[1], stamps))
         results = await dv.sync_async(engine, v)
+        t1 = time.monotonic()
         served = await background
+        await asyncio.gather(*probes)
+        timeline = {"sync": [t0, t1], "events": list(events), "outputs": stamps,
+                    "probe": list(probe_stamps)}  # fmt: skip
         out["steps"].append({"target": v, "results": results, "outputs": await batch(),
-                             "served_meanwhile": len(served.outputs[0].token_ids)})  # fmt: skip
+                             "served_meanwhile": len(served.outputs[0].token_ids),
+                             "timeline": timeline})  # fmt: skip
     engine.shutdown()
     return out
 

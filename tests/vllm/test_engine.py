@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import capture_layouts
 import pytest
 import tools
 from conftest import LAST, Chain
@@ -90,11 +91,39 @@ def test_in_process_follow_loop(
     assert out["follow"]["outputs"] == refs[LAST]
 
 
+def check_pause(step: dict[str, Any]) -> tuple[float, float]:
+    """From the timeline ``engine.py`` recorded for one sync (monotonic seconds): generation
+    was paused exactly once, only after every worker had fetched and verified (the last
+    ``deltastore_status`` poll, which reports them all ready, ended before the pause began),
+    the write (``deltastore_commit``) ran inside the pause, a request submitted right after
+    the pause began got no output before the resume, and the request served meanwhile got
+    outputs. Returns (pause, sync) in seconds."""
+    tl = step["timeline"]
+    t0, t1 = tl["sync"]
+    events: dict[str, list[tuple[float, float]]] = {}
+    for name, a, b in tl["events"]:
+        events.setdefault(name, []).append((a, b))
+    once = ("deltastore_prepare", "pause_generation", "deltastore_commit", "resume_generation")
+    assert [len(events.get(n, [])) for n in once] == [1, 1, 1, 1], tl["events"]
+    (prepare,) = events["deltastore_prepare"]
+    ready = max(b for _, b in events["deltastore_status"])
+    (pause,) = events["pause_generation"]
+    (commit,) = events["deltastore_commit"]
+    (resume,) = events["resume_generation"]
+    assert t0 <= prepare[0] and ready <= pause[0], "paused before the workers were ready"
+    assert pause[1] <= commit[0] and commit[1] <= resume[0] and resume[1] <= t1
+    assert tl["probe"], "the probe request got no output"
+    assert min(tl["probe"]) > resume[0], "a request was served while generation was paused"
+    assert tl["outputs"], "the request served meanwhile got no output"
+    return resume[1] - pause[0], t1 - t0
+
+
 def test_multiprocess_tp1_async_engine_pauses_only_to_write(
     chain: Callable[[str], Chain], reference: Any, tmp_path: Path
 ) -> None:
     """An AsyncLLM with its default worker process: the workers fetch and verify while a
-    request is being served; generation pauses for the write; the request completes."""
+    request is being served; generation pauses for the write only (measured from the
+    engine's calls, :func:`check_pause`); the request completes."""
     c = chain("qwen3")
     refs = reference("qwen3", 1, VERSIONS)
     store = c.store_copy(tmp_path / "store")
@@ -104,6 +133,10 @@ def test_multiprocess_tp1_async_engine_pauses_only_to_write(
     )  # fmt: skip
     check_steps(out, refs, 1)
     assert all(s["served_meanwhile"] == tools.MAX_TOKENS for s in out["steps"])
+    for s in out["steps"]:
+        pause_s, sync_s = check_pause(s)
+        assert pause_s < sync_s
+        print(f"version {s['target']}: paused {pause_s:.3f} s of a {sync_s:.3f} s sync")
 
 
 @pytest.mark.parametrize(
@@ -136,17 +169,24 @@ def test_derived_layouts_equal_the_real_models_parameters(tp: int, tmp_path: Pat
     """For every supported architecture, vLLM's own model class (instantiated from a tiny
     config written by the installed transformers) has exactly the parameters, names and
     shapes, of the layout deltastore derives for each rank."""
-    archs = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
+    archs = capture_layouts.ARCHS
     out = tools.run_engine(
         ["layouts", *archs, "--tp", str(tp), "--workdir", str(tmp_path)], tp=tp, multiprocess=True
     )
     assert sorted(out) == [str(r) for r in range(tp)]
+    # the main suite's fixture (tests/test_engines_vllm.py) is what this vLLM makes
+    fixture = json.loads(capture_layouts.FIXTURE.read_text())["models"]
+    regenerate = "regenerate it: .venv-vllm/bin/python tests/vllm/capture_layouts.py"
     for rank, per_arch in out.items():
         assert "error" not in per_arch, per_arch.get("error")
         for arch in archs:
             got = per_arch[arch]
             assert got["params"], f"{arch}: no parameters"
             assert got["derived"] == got["params"], f"{arch} rank {rank}"
+            assert fixture[arch]["tp"][str(tp)][int(rank)] == got["params"], regenerate
+            assert fixture[arch]["hf_config"] == capture_layouts.portable(got["hf_config"]), (
+                regenerate
+            )
         if tp == 2:  # really sharded: q/k/v, MLP and vocabulary split over the ranks
             qkv = per_arch["qwen3"]["params"]["model.layers.0.self_attn.qkv_proj.weight"]
             assert qkv == [(4 * 32 + 2 * 2 * 32) // 2, 128]
