@@ -330,3 +330,22 @@ def test_a_version_written_in_place_without_room_for_its_record_is_recorded_by_t
     state = read_state(dest)
     assert state is not None and state.version == 2 and not (dest / PENDING).exists()
     assert folder_bytes(dest) == expected_bytes(v2)
+
+
+def test_a_publisher_state_that_cannot_be_marked_dirty_is_dropped(
+    tmp_path: Path, tmpfs: Callable[[str], Path]
+) -> None:
+    disk = tmpfs("16m")
+    state = disk / "state"
+    weights = {"w": torch.randn(1024, 1024, generator=torch.Generator().manual_seed(3))}
+    pub = Publisher(tmp_path / "store", snapshot="disk", state_dir=state)
+    pub.publish(weights, version=1)
+    assert Publisher(tmp_path / "store", snapshot="disk", state_dir=state).version == 1
+    with open(disk / "filler", "wb") as fh:  # not a page left
+        fh.write(bytes(shutil.disk_usage(disk).free))
+    weights["w"][:4] += 1.0
+    assert pub.publish(weights, version=2).kind == "delta"  # committed; the state is not
+    assert not (state / "state.json").exists()  # the stale v1 state is not left looking clean
+    assert [p.name for p in state.iterdir()] == ["snapshot.bin"]  # no temp file
+    (disk / "filler").unlink()
+    assert Publisher(tmp_path / "store", snapshot="disk", state_dir=state).version is None

@@ -141,8 +141,14 @@ class DiskSnapshot(MemorySnapshot):
         self._map: np.memmap | None = None
 
     def begin_update(self) -> None:
+        """Mark the saved state dirty; when even that fails (a full disk), remove
+        ``state.json`` (no room needed), so that the stale clean state is not adopted later."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        _write_json_atomic(self._state_file, {"format": STATE_FORMAT, "dirty": True})
+        try:
+            _write_json_atomic(self._state_file, {"format": STATE_FORMAT, "dirty": True})
+        except OSError:
+            self._state_file.unlink(missing_ok=True)
+            raise
 
     def replace(self, words: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Write ``words`` to a new ``snapshot.bin`` (its blocks reserved before it is mapped,
