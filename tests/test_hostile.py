@@ -73,7 +73,7 @@ import deltastore.format.manifest as manifest_module
 import tests.test_bad_input as bad_input
 import tests.test_codecs as test_codecs
 import tests.test_schema as test_schema
-from deltastore import Subscriber
+from deltastore import Subscriber, __version__
 from deltastore.errors import (
     DeltastoreError,
     FrameError,
@@ -422,15 +422,18 @@ def test_invalid_tensor_name(world: World, name: str) -> None:
     TRIED["manifest: tensor name"] += 1
 
 
+#: The writer's library string in every manifest this suite writes (``"deltastore <version>"``).
+LIB = f"deltastore {__version__}".encode()
+
 ENCODINGS: dict[str, Callable[[bytes], bytes]] = {
     "utf-8 bom": lambda b: b"\xef\xbb\xbf" + b,
     "utf-16": lambda b: b.decode().encode("utf-16"),
     "utf-32-le": lambda b: b.decode().encode("utf-32-le"),
-    "overlong slash": lambda b: b.replace(b"deltastore 0.1.0", b"deltastore\xc0\xaf0.1.0"),
-    "cesu-8 surrogate": lambda b: b.replace(b"deltastore 0.1.0", b"deltastore\xed\xa0\x800.1"),
-    "latin-1 byte": lambda b: b.replace(b"deltastore 0.1.0", b"deltastore \xe9"),
-    "escaped lone surrogate": lambda b: b.replace(b"deltastore 0.1.0", b"deltastore \\ud800"),
-    "truncated multibyte": lambda b: b.replace(b"deltastore 0.1.0", b"deltastore \xe2\x82"),
+    "overlong slash": lambda b: b.replace(LIB, LIB.replace(b" ", b"\xc0\xaf")),
+    "cesu-8 surrogate": lambda b: b.replace(LIB, b"deltastore\xed\xa0\x800.1"),
+    "latin-1 byte": lambda b: b.replace(LIB, b"deltastore \xe9"),
+    "escaped lone surrogate": lambda b: b.replace(LIB, b"deltastore \\ud800"),
+    "truncated multibyte": lambda b: b.replace(LIB, b"deltastore \xe2\x82"),
     "nul byte": lambda b: b.replace(b'"kind"', b'"kind\x00"'),
 }
 
