@@ -11,6 +11,7 @@ version is committed, so a failed publish leaves the publisher at the previous v
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -349,80 +350,83 @@ class ChainWriter:
                         full,
                     )
 
-        results = self._encoders.map(jobs())
-        for name, words in host.items():
-            prev = parent_state[name] if parent_state is not None else None
-            start = row_range(specs[name][1], rows[name])[0] if rows else 0
-            frames: list[Frame] = []
-            copy_frames: list[Frame] = []
-            frame_adler: list[int] = []
-            changed_total = 0
-            for i, (a, b) in enumerate(grids[name]):
-                out = next(results)
-                pending.detect_s += out.detect_s
-                pending.encode_s += out.encode_s
-                if out.data is not None:
-                    obj, offset = packs.add(out.data)  # may upload a full object
-                    frames.append(
-                        Frame(
-                            start=start + a,
-                            stop=start + b,
-                            codec=out.codec,
-                            object=obj,
-                            offset=offset,
-                            length=len(out.data),
-                            xxh3=out.xxh3,
-                            changed=out.changed,
-                            adler32=out.adler,
-                            parent_adler32=None if prev is None else prev.frame_adler[i],
+        # closed here, not by the garbage collector: an encoder pool shut down from a
+        # finalizer (after an upload failed) can run inside another thread's start-up and
+        # deadlock on threading's own locks
+        with contextlib.closing(self._encoders.map(jobs())) as results:
+            for name, words in host.items():
+                prev = parent_state[name] if parent_state is not None else None
+                start = row_range(specs[name][1], rows[name])[0] if rows else 0
+                frames: list[Frame] = []
+                copy_frames: list[Frame] = []
+                frame_adler: list[int] = []
+                changed_total = 0
+                for i, (a, b) in enumerate(grids[name]):
+                    out = next(results)
+                    pending.detect_s += out.detect_s
+                    pending.encode_s += out.encode_s
+                    if out.data is not None:
+                        obj, offset = packs.add(out.data)  # may upload a full object
+                        frames.append(
+                            Frame(
+                                start=start + a,
+                                stop=start + b,
+                                codec=out.codec,
+                                object=obj,
+                                offset=offset,
+                                length=len(out.data),
+                                xxh3=out.xxh3,
+                                changed=out.changed,
+                                adler32=out.adler,
+                                parent_adler32=None if prev is None else prev.frame_adler[i],
+                            )
                         )
-                    )
-                    pending.codecs[out.codec] = pending.codecs.get(out.codec, 0) + 1
-                if out.full is not None:
-                    obj, offset = copy_packs.add(out.full.data)
-                    copy_frames.append(
-                        Frame(
-                            start=start + a,
-                            stop=start + b,
-                            codec=out.full.codec,
-                            object=obj,
-                            offset=offset,
-                            length=len(out.full.data),
-                            xxh3=out.full.xxh3,
-                            changed=b - a,
-                            adler32=out.adler,
-                            parent_adler32=None,
+                        pending.codecs[out.codec] = pending.codecs.get(out.codec, 0) + 1
+                    if out.full is not None:
+                        obj, offset = copy_packs.add(out.full.data)
+                        copy_frames.append(
+                            Frame(
+                                start=start + a,
+                                stop=start + b,
+                                codec=out.full.codec,
+                                object=obj,
+                                offset=offset,
+                                length=len(out.full.data),
+                                xxh3=out.full.xxh3,
+                                changed=b - a,
+                                adler32=out.adler,
+                                parent_adler32=None,
+                            )
                         )
-                    )
-                if prev is not None and out.pos is not None and out.pos.size:
-                    new_at = words[a:b][out.pos] if out.new_at is None else out.new_at
-                    pending.updates.append(HeldChange(prev.words, out.pos + a, new_at))
-                frame_adler.append(out.adler)
-                ticker.tick((b - a) * words.dtype.itemsize)
-                changed_total += out.changed
-            pending.frame_adler[name] = frame_adler
-            total_adler = combine_frames(
-                (fa, (b - a) * words.dtype.itemsize)
-                for fa, (a, b) in zip(frame_adler, grids[name], strict=True)
-            )
-            pending.entries[name] = TensorEntry(
-                dtype=specs[name][0],
-                shape=specs[name][1],
-                adler32=total_adler,
-                parent_adler32=prev.adler if prev is not None else None,
-                changed=changed_total,
-                frames=frames,
-            )
-            if pending.copy_entries is not None:
-                numel = math.prod(specs[name][1])
-                pending.copy_entries[name] = TensorEntry(
+                    if prev is not None and out.pos is not None and out.pos.size:
+                        new_at = words[a:b][out.pos] if out.new_at is None else out.new_at
+                        pending.updates.append(HeldChange(prev.words, out.pos + a, new_at))
+                    frame_adler.append(out.adler)
+                    ticker.tick((b - a) * words.dtype.itemsize)
+                    changed_total += out.changed
+                pending.frame_adler[name] = frame_adler
+                total_adler = combine_frames(
+                    (fa, (b - a) * words.dtype.itemsize)
+                    for fa, (a, b) in zip(frame_adler, grids[name], strict=True)
+                )
+                pending.entries[name] = TensorEntry(
                     dtype=specs[name][0],
                     shape=specs[name][1],
                     adler32=total_adler,
-                    parent_adler32=None,
-                    changed=numel,
-                    frames=copy_frames,
+                    parent_adler32=prev.adler if prev is not None else None,
+                    changed=changed_total,
+                    frames=frames,
                 )
+                if pending.copy_entries is not None:
+                    numel = math.prod(specs[name][1])
+                    pending.copy_entries[name] = TensorEntry(
+                        dtype=specs[name][0],
+                        shape=specs[name][1],
+                        adler32=total_adler,
+                        parent_adler32=None,
+                        changed=numel,
+                        frames=copy_frames,
+                    )
         packs.flush()
         copy_packs.flush()
 
