@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -123,8 +123,9 @@ class FrameEncoders:
             changed, value, codec, data, digest, pos, new_at, t1 - t0, time.perf_counter() - t1
         )
 
-    def map(self, jobs: Iterable[FrameJob]) -> Iterator[Encoded]:
-        """:meth:`encode` every job, results in job order; at most ``2 * workers`` ahead."""
+    def map(self, jobs: Iterable[FrameJob]) -> Generator[Encoded, None, None]:
+        """:meth:`encode` every job, results in job order; at most ``2 * workers`` ahead. A
+        caller that may stop early closes the generator itself (its pool shuts down then)."""
         if self._workers == 1:
             yield from map(self.encode, jobs)
             return
