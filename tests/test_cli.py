@@ -53,6 +53,7 @@ from deltastore.errors import (
 from deltastore.format.manifest import LATEST_KEY, manifest_key
 from deltastore.testing.synthetic import TINY, AdamWTrajectory
 from deltastore_cli import app, common
+from tests.helpers import console_script
 
 ROOT = Path(__file__).parent.parent
 SCHEMA = ROOT / "manifests" / "schema" / "manifest.v1.schema.json"
@@ -177,14 +178,6 @@ def assert_one_line_error(result: Result, code: int) -> str:
     assert lines[0].startswith("error: "), result.stderr
     assert "Traceback" not in result.output
     return lines[0]
-
-
-def console_script() -> str:
-    exe = Path(sys.executable).parent / "deltastore"
-    found = str(exe) if exe.is_file() else shutil.which("deltastore")
-    if found is None:
-        pytest.skip("the deltastore console script is not installed")
-    return found
 
 
 # --- fixtures -----------------------------------------------------------------------------

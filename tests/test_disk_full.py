@@ -28,11 +28,12 @@ import pytest
 import torch
 
 from deltastore import Publisher
-from deltastore.checkpoint.safetensors import create_checkpoint, locate
+from deltastore.checkpoint.safetensors import create_checkpoint
 from deltastore.checkpoint.state import PENDING, STAGING, read_state
 from deltastore.errors import DiskFullError, StoreError, StoreFullError
 from deltastore.store import LocalStore
 from deltastore.store import space as space_module
+from tests.helpers import folder_bytes
 
 ROOT = Path(__file__).parent.parent
 MB = 1 << 20
@@ -45,16 +46,6 @@ def tensors(version: int, *, extra: bool = False) -> dict[str, torch.Tensor]:
     out = {f"layer{i}.weight": torch.randn(256, 1024, generator=g) for i in range(8)}
     if extra:
         out["extra.bias"] = torch.full((4096,), float(version))
-    return out
-
-
-def folder_bytes(dest: Path) -> dict[str, bytes]:
-    """Each tensor's bytes as the folder's files hold them."""
-    out = {}
-    for name, loc in locate(dest).items():
-        with open(loc.path, "rb") as fh:
-            fh.seek(loc.start)
-            out[name] = fh.read(loc.stop - loc.start)
     return out
 
 

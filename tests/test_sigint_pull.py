@@ -28,8 +28,8 @@ import torch
 
 from deltastore import Publisher
 from deltastore.checkpoint.folders import FolderSync
-from deltastore.checkpoint.safetensors import locate
 from deltastore.checkpoint.state import PENDING, STAGING, read_state, switch_files
+from tests.helpers import folder_bytes
 
 ROOT = Path(__file__).parent.parent
 
@@ -87,15 +87,6 @@ def versions() -> dict[int, dict[str, torch.Tensor]]:
             nxt[name] = t
         out[v] = nxt
     out[4] = dict(out[3]) | {"extra.bias": torch.arange(4096, dtype=torch.float32)}
-    return out
-
-
-def folder_bytes(dest: Path) -> dict[str, bytes]:
-    out = {}
-    for name, loc in locate(dest).items():
-        with open(loc.path, "rb") as fh:
-            fh.seek(loc.start)
-            out[name] = fh.read(loc.stop - loc.start)
     return out
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,34 +20,10 @@ import torch
 
 import deltastore
 from deltastore import Publisher, __version__
+from tests.helpers import console_script
 
 ROOT = Path(__file__).parent.parent
 HEAVY = ("torch", "typer", "rich")
-
-
-def console_script() -> str:
-    exe = Path(sys.executable).parent / "deltastore"
-    found = str(exe) if exe.is_file() else shutil.which("deltastore")
-    if found is None:
-        pytest.skip("the deltastore console script is not installed")
-    return found
-
-
-@pytest.fixture(scope="module")
-def no_torch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Environment whose ``import torch`` raises ImportError."""
-    fake = tmp_path_factory.mktemp("no-torch")
-    (fake / "torch").mkdir()
-    (fake / "torch" / "__init__.py").write_text(
-        'raise ImportError("torch was imported: this test forbids it")\n'
-    )
-    env = {k: v for k, v in os.environ.items() if k != "DELTASTORE_SIGNING_KEY"}
-    env["PYTHONPATH"] = os.pathsep.join([str(fake), *filter(None, [env.get("PYTHONPATH")])])
-    check = subprocess.run(
-        [sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True
-    )
-    assert check.returncode != 0 and "this test forbids it" in check.stderr  # the fake works
-    return env
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ in-process against torch tensors: the same memory, the same manifests, the same 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -32,32 +31,7 @@ from deltastore.errors import TensorMismatchError
 from deltastore.tensors import words
 from deltastore.tensors.dtypes import flat_words, host_words, np_words
 from deltastore.tensors.host import HostTensor
-
-FORBIDDEN = "torch was imported: this test forbids it"
-
-
-def console_script() -> str:
-    exe = Path(sys.executable).parent / "deltastore"
-    found = str(exe) if exe.is_file() else shutil.which("deltastore")
-    if found is None:
-        pytest.skip("the deltastore console script is not installed")
-    return found
-
-
-@pytest.fixture(scope="module")
-def no_torch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Environment whose ``import torch`` raises ImportError (publisher state in a temp cache)."""
-    fake = tmp_path_factory.mktemp("no-torch")
-    (fake / "torch").mkdir()
-    (fake / "torch" / "__init__.py").write_text(f"raise ImportError({FORBIDDEN!r})\n")
-    env = {k: v for k, v in os.environ.items() if k != "DELTASTORE_SIGNING_KEY"}
-    env["PYTHONPATH"] = os.pathsep.join([str(fake), *filter(None, [env.get("PYTHONPATH")])])
-    env["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
-    check = subprocess.run(
-        [sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True
-    )
-    assert check.returncode != 0 and FORBIDDEN in check.stderr  # the fake works
-    return env
+from tests.helpers import FORBIDDEN, console_script
 
 
 def states() -> list[dict[str, torch.Tensor]]:
