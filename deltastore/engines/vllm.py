@@ -287,6 +287,9 @@ class _Receiver:
                 )
             else:
                 tensors[name] = p.data
+        self.sharers: dict[str, str] = {}  # module -> the synced parameter it shares
+        if rebuild:
+            self._add_sharers(model, {n: params[n] for n in el.layout.parts}, el.sources)
         self.shadow_bytes = sum(
             t.numel() * t.element_size() for d in self._shadows.values() for t in d.values()
         )
@@ -332,6 +335,32 @@ class _Receiver:
             self._rebuild(set(self._modules))
         self.attach_s = time.perf_counter() - t0
 
+    def _add_sharers(
+        self,
+        model: torch.nn.Module,
+        synced: Mapping[str, torch.Tensor],
+        sources: Mapping[str, Sequence[str]],
+    ) -> None:
+        """Rebuild, with the owner of a synced parameter, every other module that holds the
+        same parameter (``named_parameters()`` names a shared parameter once, after its first
+        owner): a tied LM head holds the embedding's weight, and on CPU it keeps a packed copy
+        of it that only its own ``process_weights_after_loading`` refreshes."""
+        by_id = {id(p): n for n, p in synced.items()}
+        by_ptr = {p.data_ptr(): n for n, p in synced.items() if p.numel()}
+        for mod_name, mod in model.named_modules():
+            if mod_name in self._modules or getattr(mod, "quant_method", None) is None:
+                continue
+            for p in mod._parameters.values():
+                if p is None:
+                    continue
+                name = by_id.get(id(p)) or (by_ptr.get(p.data_ptr()) if p.numel() else None)
+                if name is None:
+                    continue
+                self._modules[mod_name] = mod
+                self.sharers[mod_name] = name
+                for src in sources.get(name, ()):
+                    self._modules_of.setdefault(src, set()).add(mod_name)
+
     def _rebuild(self, names: set[str]) -> None:
         """Rebuild the kernels of modules ``names`` from their checkpoint-format tensors."""
         import torch
@@ -374,6 +403,7 @@ class _Receiver:
             "reader_id": self.sub.reader_id,
             "tensors": len(self.sub.tensors or {}),
             "rebuilt_modules": len(self._modules),
+            "shared_modules": dict(self.sharers),
             "shadow_bytes": self.shadow_bytes,
             "attach_s": self.attach_s,
             "filled": self.filled,

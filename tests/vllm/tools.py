@@ -34,20 +34,23 @@ TP_BIND = {1: None, 2: "0|1"}
 #: The suffix of an architecture name whose tiny config has 1000 tokens (vLLM pads the
 #: vocabulary to a multiple of 64: 1024 rows, split over the TP ranks).
 ODD_VOCAB = "+vocab1000"
+#: After an architecture's name: the LM head is tied to the embedding (``tie_word_embeddings``).
+TIED = "+tied"
 
 
 def tiny_config(arch: str) -> Any:
     """A tiny config of ``arch`` (llama, qwen2, qwen3, qwen3_moe, mixtral; ``+vocab1000``
-    after the name: 1000 tokens) from the installed transformers: hidden 128, 2 layers,
-    4 heads / 2 kv heads, vocab 1024."""
+    after the name: 1000 tokens; ``+tied``: the LM head tied to the embedding) from the
+    installed transformers: hidden 128, 2 layers, 4 heads / 2 kv heads, vocab 1024."""
     import transformers as tf
 
-    vocab = 1024
+    vocab, tied = 1024, arch.endswith(TIED)
+    arch = arch.removesuffix(TIED)
     if arch.endswith(ODD_VOCAB):
         arch, vocab = arch.removesuffix(ODD_VOCAB), 1000
     common: dict[str, Any] = dict(
         vocab_size=vocab, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=tied,
     )  # fmt: skip
     names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
              "mixtral": "Mixtral"}  # fmt: skip
