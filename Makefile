@@ -45,8 +45,8 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 	@echo "==> $(VENV_VLLM) is ready"
 
-# A real vLLM engine follows a trainer's versions (tests/vllm; ~8 min on 2 cores;
-# test-vllm-full adds the MoE model at TP 2: ~12 min).
+# A real vLLM engine follows a trainer's versions (tests/vllm; ~10 min on 2 cores;
+# test-vllm-full adds the MoE model at TP 2 and the untied Qwen3 in-process: ~14 min).
 test-vllm: $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/python -m pytest -q -m "not full" tests/vllm
 
