@@ -104,7 +104,6 @@ class LocalStore(Store):
 
     def _write_temp(self, path: Path, data: bytes) -> Path:
         """``data`` in a new durable temp file beside ``path``; removed again on error."""
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex}"
         try:
             with _create(tmp) as fh:
