@@ -374,8 +374,6 @@ MAX_LINES = 600
 #: Modules over :data:`MAX_LINES`, each with why it is not split (yet); no other module may
 #: pass the limit, and a module that gets under it should leave the list.
 LONG_MODULES: dict[str, str] = {
-    "deltastore/engines/vllm.py": "the worker extension and its driver helpers share private "
-    "state of one engine; to be split into the extension and the driver",
     "deltastore/publish/publisher.py": "ChainWriter's encode and pack loop and Publisher; "
     "the pack loop is the next to move (into publish/encode.py)",
     "deltastore/checkpoint/folders.py": "publish, pull and watch of a folder around one "

@@ -1,0 +1,332 @@
+"""The worker side of the vLLM adapter: one worker's binding of its parameters to a store
+(:class:`Receiver`), made by ``deltastore_attach`` and driven by the extension's methods
+(:mod:`deltastore.engines.vllm`). Runs inside vLLM's worker processes; imports vLLM lazily.
+
+Thread-safety: one sync runs at a time per worker; a two-phase sync runs its fetch and verify on
+a background thread and its write phase after the driver's commit (:class:`_Gate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from deltastore.engines.vllm_layout import _custom_layout, _fit, derive_layout
+from deltastore.engines.worker_errors import error_to_dict
+from deltastore.errors import EngineSyncError, LayoutError
+from deltastore.layout.boxes import Layout
+
+if TYPE_CHECKING:
+    import torch
+
+    from deltastore.format.manifest import Manifest
+    from deltastore.sync.subscriber import Subscriber
+
+log = logging.getLogger(__name__)
+
+
+class _Gate:
+    """The write phase's pause hook in a two-phase sync: says "ready", then waits for the
+    driver's commit (the engine is paused by then)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.ready = threading.Event()
+        self.go = threading.Event()
+        self.timeout_s = 600.0
+
+    def pause(self) -> None:
+        if not self.armed:
+            return
+        self.ready.set()
+        if not self.go.wait(self.timeout_s):
+            raise EngineSyncError(
+                f"no commit within {self.timeout_s:.0f} s of the sync being ready; nothing was "
+                "written (call deltastore_commit after deltastore_prepare)"
+            )
+
+
+class Receiver:
+    """One worker's binding: the Subscriber over its parameters (and shadows), the modules to
+    rebuild on CPU, the state of a two-phase sync."""
+
+    def __init__(
+        self,
+        worker: Any,
+        url: str,
+        version: int,
+        storage_options: dict[str, Any] | None,
+        options: dict[str, Any],
+    ) -> None:
+        import torch
+        import torch.distributed as dist
+        from vllm.distributed import parallel_state as ps
+        from vllm.platforms import current_platform
+
+        from deltastore.sync.subscriber import Subscriber
+
+        known = {
+            "mode", "layout", "pad_vocab_to", "reader_id", "lease_ttl", "max_workers",
+            "max_inflight_bytes", "commit_timeout_s", "rebuild_on_attach",
+        }  # fmt: skip
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown deltastore_attach options {unknown}; known: {sorted(known)}")
+        config = worker.vllm_config
+        par = config.parallel_config
+        if par.pipeline_parallel_size > 1 or getattr(par, "enable_expert_parallel", False):
+            raise LayoutError(
+                "pipeline and expert parallelism are not supported by the vLLM adapter yet: "
+                "run with tensor parallelism only, or pass layout= for this worker"
+            )
+        size = ps.get_tensor_model_parallel_world_size()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if size > 1 and world != size:
+            raise LayoutError(
+                f"{world} ranks in the torch world but TP {size}: data or pipeline parallel "
+                "ranks in one world are not supported by the vLLM adapter yet"
+            )
+        model = worker.model_runner.model
+        hf_config = config.model_config.hf_config.to_dict()
+        self.rank = ps.get_tensor_model_parallel_rank()
+        params = dict(model.named_parameters())
+        owner = {n: model.get_submodule(n.rpartition(".")[0]) for n in params}
+        shapes = {
+            n: _checkpoint_shape(owner[n], n.rpartition(".")[2], p) for n, p in params.items()
+        }
+        if options.get("layout"):
+            custom = _custom_layout(str(options["layout"]), shapes, hf_config, self.rank, size)
+            el = _fit(custom, None, shapes, f"layout {options['layout']}")
+        else:
+            el = derive_layout(
+                shapes,
+                hf_config,
+                tp_rank=self.rank,
+                tp_size=size,
+                pad_vocab_to=int(options.get("pad_vocab_to", 64)),
+            )
+        mode = options.get("mode", "auto")
+        if mode not in ("auto", "inplace", "rebuild"):
+            raise ValueError(f"mode={mode!r}: expected 'auto', 'inplace' or 'rebuild'")
+        rebuild = mode == "rebuild" or (mode == "auto" and current_platform.is_cpu())
+        tensors: dict[str, torch.Tensor] = {}
+        self._shadows: dict[str, dict[str, torch.Tensor]] = {}  # module -> param -> shadow
+        self._modules: dict[str, torch.nn.Module] = {}  # modules rebuilt after a change
+        self._modules_of: dict[str, set[str]] = {}  # HF name -> modules to rebuild
+        shadowed: list[str] = []
+        for name in el.layout.parts:
+            p, mod = params[name], owner[name]
+            mod_name, _, pname = name.rpartition(".")
+            method = getattr(mod, "quant_method", None)
+            if rebuild and method is not None:
+                self._modules[mod_name] = mod
+                for src in el.sources.get(name, ()):
+                    self._modules_of.setdefault(src, set()).add(mod_name)
+                if (
+                    type(method).__name__ == "UnquantizedEmbeddingMethod"
+                    and tuple(p.shape) == el.shapes[name]
+                ):
+                    tensors[name] = p.data  # embeddings keep their weight: in place, re-packed
+                    continue
+                shadow = torch.empty(el.shapes[name], dtype=p.dtype, device=p.device)
+                self._shadows.setdefault(mod_name, {})[pname] = shadow
+                tensors[name] = shadow
+                shadowed.append(name)
+            elif tuple(p.shape) != el.shapes[name] or not p.data.is_contiguous():
+                raise LayoutError(
+                    f"parameter {name} holds {list(p.shape)}, not its checkpoint shape "
+                    f"{list(el.shapes[name])}: vLLM repacked it; attach with mode='rebuild'"
+                )
+            else:
+                tensors[name] = p.data
+        self.sharers: dict[str, str] = {}  # module -> the synced parameter it shares
+        if rebuild:
+            self._add_sharers(model, {n: params[n] for n in el.layout.parts}, el.sources)
+        self.shadow_bytes = sum(
+            t.numel() * t.element_size() for d in self._shadows.values() for t in d.values()
+        )
+        # the engine's own groups carry its collectives; a sync gets a group of its own
+        self._group = dist.new_group(ranks=list(range(size)), backend="gloo") if size > 1 else None
+        device = next(iter(tensors.values())).device
+        common: dict[str, Any] = {
+            "storage_options": storage_options,
+            "layout": el.layout,
+            "group": self._group,
+            "device": device,
+        }
+        for key in ("max_workers", "max_inflight_bytes"):
+            if key in options:
+                common[key] = int(options[key])
+        t0 = time.perf_counter()
+        self.filled: dict[str, Any] | None = None
+        if shadowed:  # the packed weights cannot be read back: fill the shadows from the store
+            fill = Subscriber(
+                url,
+                **{**common, "layout": Layout({n: el.layout.parts[n] for n in shadowed})},
+                tensors={n: tensors[n] for n in shadowed},
+                lease_ttl=None,
+            )
+            self.filled = dataclasses.asdict(fill.sync(version))
+        self._thread: threading.Thread | None = None
+        self._result: dict[str, Any] | None = None
+        self._rebuilt, self._rebuild_s = 0, 0.0
+        self._pending: set[str] = set()  # modules written but not yet rebuilt
+        self._gate = _Gate()
+        self._gate.timeout_s = float(options.get("commit_timeout_s", 600.0))
+        self.sub: Subscriber = Subscriber(
+            url,
+            **common,
+            tensors=tensors,
+            version=version,
+            pause=self._gate.pause,
+            reader_id=options.get("reader_id") or f"vllm-{socket.gethostname()}-{os.getpid()}",
+            lease_ttl=None if options.get("lease_ttl") == 0 else options.get("lease_ttl", 600.0),
+        )
+        self.sub.verify()  # every held tensor is at `version` (engine parameters and shadows)
+        if options.get("rebuild_on_attach", True):
+            self._rebuild(set(self._modules))
+        self.attach_s = time.perf_counter() - t0
+
+    def _add_sharers(
+        self,
+        model: torch.nn.Module,
+        synced: Mapping[str, torch.Tensor],
+        sources: Mapping[str, Sequence[str]],
+    ) -> None:
+        """Rebuild, with the owner of a synced parameter, every other module that holds the
+        same parameter (``named_parameters()`` names a shared parameter once, after its first
+        owner): a tied LM head holds the embedding's weight, and on CPU it keeps a packed copy
+        of it that only its own ``process_weights_after_loading`` refreshes."""
+        by_id = {id(p): n for n, p in synced.items()}
+        by_ptr = {p.data_ptr(): n for n, p in synced.items() if p.numel()}
+        for mod_name, mod in model.named_modules():
+            if mod_name in self._modules or getattr(mod, "quant_method", None) is None:
+                continue
+            for p in mod._parameters.values():
+                if p is None:
+                    continue
+                name = by_id.get(id(p)) or (by_ptr.get(p.data_ptr()) if p.numel() else None)
+                if name is None:
+                    continue
+                self._modules[mod_name] = mod
+                self.sharers[mod_name] = name
+                for src in sources.get(name, ()):
+                    self._modules_of.setdefault(src, set()).add(mod_name)
+
+    def _rebuild(self, names: set[str]) -> None:
+        """Rebuild the kernels of modules ``names`` from their checkpoint-format tensors."""
+        import torch
+
+        t0 = time.perf_counter()
+        for name in sorted(names):
+            mod = self._modules[name]
+            for pname, shadow in self._shadows.get(name, {}).items():
+                # a copy: a kernel may keep (or repack into) the tensor it is given
+                setattr(mod, pname, torch.nn.Parameter(shadow.clone(), requires_grad=False))
+            method: Any = mod.quant_method
+            if getattr(method, "moe_kernel", None) is not None:
+                method.moe_kernel = None  # MoE: the first-load path prepacks the experts again
+            method.process_weights_after_loading(mod)
+        self._rebuilt += len(names)
+        self._rebuild_s += time.perf_counter() - t0
+
+    def _on_version(self, m: Manifest) -> None:
+        """After ``m`` was written: rebuild the kernels of the modules it changed. Modules
+        whose rebuild failed stay pending and are rebuilt first by the next sync."""
+        if not self._modules:
+            return
+        if m.kind == "anchor":
+            self._pending |= set(self._modules)
+        for name, entry in m.tensors.items():
+            if entry.changed:
+                self._pending |= self._modules_of.get(name, set())
+        self._rebuild_pending()
+
+    def _rebuild_pending(self) -> None:
+        while self._pending:
+            name = min(self._pending)
+            self._rebuild({name})
+            self._pending.discard(name)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "version": self.sub.version,
+            "reader_id": self.sub.reader_id,
+            "tensors": len(self.sub.tensors or {}),
+            "rebuilt_modules": len(self._modules),
+            "shared_modules": dict(self.sharers),
+            "shadow_bytes": self.shadow_bytes,
+            "attach_s": self.attach_s,
+            "filled": self.filled,
+        }
+
+    def run(self, version: int | None) -> dict[str, Any]:
+        """One sync to ``version`` (newest: None); the result as plain values."""
+        self._rebuilt, self._rebuild_s = 0, 0.0
+        out: dict[str, Any] = {"rank": self.rank, "from_version": self.sub.version}
+        try:
+            self._rebuild_pending()  # a previous sync wrote but failed to rebuild
+            report = self.sub.sync(version, on_version=self._on_version)
+            out.update(ok=True, report=dataclasses.asdict(report), error=None)
+        except Exception as exc:
+            log.warning("deltastore sync on rank %d failed: %s", self.rank, exc)
+            out.update(ok=False, report=None, error=error_to_dict(exc))
+        out.update(
+            version=self.sub.version, rebuilt_modules=self._rebuilt, rebuild_s=self._rebuild_s
+        )
+        return out
+
+    def prepare(self, version: int | None) -> dict[str, Any]:
+        if self._thread is not None and self._thread.is_alive():
+            raise EngineSyncError("a sync is under way on this worker; commit it first")
+        self._gate.armed = True
+        self._gate.ready.clear()
+        self._gate.go.clear()
+        self._result = None
+
+        def work() -> None:
+            self._result = self.run(version)
+
+        self._thread = threading.Thread(target=work, name="deltastore-sync", daemon=True)
+        self._thread.start()
+        return self.status()
+
+    def status(self) -> dict[str, Any]:
+        if self._thread is not None and self._thread.is_alive():
+            state = "ready" if self._gate.ready.is_set() else "preparing"
+        elif self._result is not None:
+            state = "done"
+        else:
+            state = "idle"
+        return {"rank": self.rank, "state": state, "version": self.sub.version}
+
+    def commit(self, timeout_s: float) -> dict[str, Any]:
+        if self._thread is None:
+            raise EngineSyncError("no sync to commit; call deltastore_prepare first")
+        self._gate.go.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise EngineSyncError(f"the sync did not finish within {timeout_s:.0f} s of commit")
+        self._thread, self._gate.armed = None, False
+        result = self._result or {"rank": self.rank, "ok": False, "error": None}
+        self._result = None
+        return result
+
+
+def _checkpoint_shape(module: Any, pname: str, param: torch.Tensor) -> tuple[int, ...]:
+    """The checkpoint-format shape of ``module.pname``: as vLLM recorded it before processing
+    the weights (it may have repacked them since), else the live shape."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:  # pragma: no cover - older vLLM
+        return tuple(param.shape)
+    info = LAYERWISE_INFO.get(module)
+    meta = info.restore_metadata[0].get(pname) if info is not None else None
+    return tuple(meta.shape) if meta is not None else tuple(param.shape)
