@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from deltastore.engines.vllm import derive_layout
-from deltastore.errors import LayoutError
+from deltastore.engines.worker_errors import error_to_dict
+from deltastore.errors import EngineSyncError, IntegrityError, LayoutError, RankError
 
 FIXTURE = json.loads((Path(__file__).parent / "engines_vllm_layouts.json").read_text())
 MODELS: dict[str, Any] = FIXTURE["models"]
@@ -109,3 +110,227 @@ def test_the_adapter_imports_no_vllm() -> None:
     code = "import sys, deltastore.engines.vllm; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# --- errors never desynchronize the engine (a fake engine; the real one: tests/vllm) ----------
+
+
+class _Ranks:
+    """What the ranks of the fake engine share: an all-gather (the agreement's collective) and
+    a collective that needs every rank (as ``dist.new_group`` does), each a real wait."""
+
+    def __init__(self, world: int) -> None:
+        import threading
+
+        self.world = world
+        self.slots = [b""] * world
+        self.gather = threading.Barrier(world, timeout=30)
+        self.collective = threading.Barrier(world, timeout=3)
+
+    def view(self, rank: int) -> Any:
+        ranks = self
+
+        class View:
+            def __init__(self) -> None:
+                self.rank = rank
+
+            def all_gather_bytes(self, data: bytes) -> list[bytes]:
+                ranks.slots[rank] = data
+                ranks.gather.wait()
+                out = list(ranks.slots)
+                ranks.gather.wait()
+                return out
+
+        return View()
+
+    def join_collective(self) -> None:
+        import threading
+
+        try:
+            self.collective.wait()
+        except threading.BrokenBarrierError:
+            self.collective.reset()
+            raise RuntimeError("stranded in a collective: another rank never joined") from None
+
+
+class FakeReceiver:
+    """A worker's binding as :class:`~deltastore.engines.vllm_worker.Receiver` makes it, less
+    vLLM and the store: its local checks fail on the ranks of ``options["fail_on"]`` (as a
+    layout that does not fit one rank), then it joins a collective of all ranks; its syncs
+    fail on the ranks of ``options["sync_fails_on"]`` (an IntegrityError there, a RankError
+    on the others: the Subscriber's collective verification)."""
+
+    def __init__(
+        self,
+        worker: Any,
+        url: str,
+        version: int,
+        storage_options: Any,
+        options: dict[str, Any],
+        before_collectives: Any = None,
+    ) -> None:
+        self.rank, self.options = worker.fake_rank, options
+        if self.rank in options.get("fail_on", ()):
+            raise LayoutError(f"the fake layout does not fit rank {self.rank}")
+        if before_collectives is not None:
+            before_collectives()
+        worker.fake_ranks.join_collective()
+        self.version, self.url, self.runs = version, url, 0
+        self.sub = self
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def info(self) -> dict[str, Any]:
+        return {"rank": self.rank, "version": self.version, "url": self.url}
+
+    def status(self) -> dict[str, Any]:
+        return {"rank": self.rank, "state": "idle", "version": self.version}
+
+    def run(self, version: int | None) -> dict[str, Any]:
+        self.runs += 1
+        out = {"rank": self.rank, "from_version": self.version, "report": None}
+        fails = self.options.get("sync_fails_on", ())
+        if fails:
+            exc: Exception = (
+                IntegrityError("frame 0 of versions/00000000000000000008/x.dsz: checksum")
+                if self.rank in fails
+                else RankError("another rank failed this version; nothing was written here")
+            )
+            return out | {"ok": False, "version": self.version, "error": error_to_dict(exc)}
+        self.version = int(version) if version is not None else self.version + 1
+        return out | {"ok": True, "version": self.version, "error": None,
+                      "report": {"applied": [self.version]}}  # fmt: skip
+
+
+class FakeEngine:
+    """An ``LLM`` whose ``collective_rpc`` is vLLM 0.32's multiprocess executor's: the call
+    goes to every worker (a thread each, running one call at a time in order); the driver
+    reads the replies rank by rank and raises at the first rank whose method raised, leaving
+    the later ranks' replies queued (``MultiprocExecutor.collective_rpc``)."""
+
+    def __init__(self, world: int) -> None:
+        import queue
+        import threading
+
+        from deltastore.engines.vllm import DeltastoreWorkerExtension
+
+        ranks = _Ranks(world)
+        self.workers = []
+        for r in range(world):
+            w = DeltastoreWorkerExtension()
+            w.fake_rank, w.fake_group, w.fake_ranks = r, ranks.view(r), ranks  # type: ignore[attr-defined]
+            self.workers.append(w)
+        self.requests: list[queue.Queue[Any]] = [queue.Queue() for _ in range(world)]
+        self.replies: list[queue.Queue[Any]] = [queue.Queue() for _ in range(world)]
+        self.prefix_resets = 0
+        for r in range(world):
+            threading.Thread(target=self._serve, args=(r,), daemon=True).start()
+
+    def _serve(self, r: int) -> None:
+        while True:
+            method, args, kwargs = self.requests[r].get()
+            try:
+                self.replies[r].put(("ok", getattr(self.workers[r], method)(*args, **kwargs)))
+            except Exception as exc:
+                self.replies[r].put(("failed", str(exc)))
+
+    def collective_rpc(
+        self, method: str, timeout: float | None = None, args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:  # fmt: skip
+        for q in self.requests:
+            q.put((method, args, kwargs or {}))
+        out = []
+        for q in self.replies:
+            status, result = q.get(timeout=60)
+            if status != "ok":
+                raise RuntimeError(
+                    f"Worker failed with error '{result}', please check the stack trace above "
+                    "for the root cause"
+                )
+            out.append(result)
+        return out
+
+    def reset_prefix_cache(self) -> None:
+        self.prefix_resets += 1
+
+
+@pytest.fixture
+def fake_engine(monkeypatch: pytest.MonkeyPatch) -> Any:
+    from deltastore.engines import vllm as dv
+
+    monkeypatch.setattr(dv, "Receiver", FakeReceiver)
+    monkeypatch.setattr(dv, "_tp", lambda w: (w.fake_group, w.fake_rank), raising=False)
+    return FakeEngine(2)
+
+
+@pytest.mark.parametrize("bad", [0, 1])
+def test_a_failed_attach_on_one_rank_keeps_the_engine_in_step(fake_engine: Any, bad: int) -> None:
+    """A layout that fails on one rank only: the driver gets the LayoutError of that rank,
+    the other rank stops before its collective (not stranded in it), nothing is bound, and
+    every later call gets the replies to that call: a retry, a good attach, a failed attach
+    over a binding (which keeps the binding), a sync."""
+    from deltastore.engines import vllm as dv
+
+    for _ in range(2):  # the retry fails the same way, with its own replies
+        with pytest.raises(LayoutError, match=rf"^rank {bad}: the fake layout does not fit rank"):
+            dv.attach(fake_engine, "mem://run", version=5, fail_on=[bad])
+        info = fake_engine.collective_rpc("deltastore_info")
+        assert [r["rank"] for r in info] == [0, 1]
+        assert all(not r["ok"] and "not attached" in r["error"]["message"] for r in info), info
+    out = dv.attach(fake_engine, "mem://run", version=7)
+    assert [(r["rank"], r["ok"], r["version"]) for r in out] == [(0, True, 7), (1, True, 7)]
+    with pytest.raises(LayoutError, match=rf"^rank {bad}: "):
+        dv.attach(fake_engine, "mem://other", version=9, fail_on=[bad])
+    info = fake_engine.collective_rpc("deltastore_info")
+    assert [(r["ok"], r["version"], r["url"]) for r in info] == [(True, 7, "mem://run")] * 2
+    assert [(r["ok"], r["version"]) for r in dv.sync(fake_engine, 8, check=True)] == [(True, 8)] * 2
+
+
+def test_a_sync_that_fails_on_one_rank_raises_that_ranks_error(fake_engine: Any) -> None:
+    """The rank that failed is named with its own error type, not the RankError of the rank
+    it stopped; the engine keeps its version and the next sync works."""
+    from deltastore.engines import vllm as dv
+
+    dv.attach(fake_engine, "mem://run", version=7, sync_fails_on=[1])
+    with pytest.raises(IntegrityError, match=r"^rank 1: frame 0 of versions/0+8/"):
+        dv.sync(fake_engine, 8, check=True)
+    out = dv.sync(fake_engine, 8)  # without check: the results, the root cause among them
+    assert [r["error"]["type"] for r in out] == ["RankError", "IntegrityError"]
+    assert [r["version"] for r in out] == [7, 7]
+    for w in fake_engine.workers:
+        w._deltastore.options["sync_fails_on"] = []
+    assert [r["version"] for r in dv.sync(fake_engine, 8, check=True)] == [8, 8]
+
+
+def test_a_sync_runs_on_no_rank_unless_every_rank_is_bound(fake_engine: Any) -> None:
+    from deltastore.engines import vllm as dv
+
+    dv.attach(fake_engine, "mem://run", version=7)
+    fake_engine.workers[1]._deltastore = None  # as if rank 1 had never been attached
+    with pytest.raises(EngineSyncError, match=r"^rank 1: this worker is not attached"):
+        dv.sync(fake_engine, 8, check=True)
+    assert fake_engine.workers[0]._deltastore.runs == 0  # stopped before its collectives
+
+
+def test_a_failure_inside_vllms_rpc_is_an_engine_sync_error_and_stale_replies_are_caught(
+    fake_engine: Any,
+) -> None:
+    """A worker method that raises past the extension (here: rank 0's, replaced) makes vLLM
+    leave rank 1's reply queued; the driver raises EngineSyncError saying to restart, and the
+    next call, which would return that earlier reply as its own, raises instead."""
+    from deltastore.engines import vllm as dv
+
+    dv.attach(fake_engine, "mem://run", version=7)
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("vLLM-level failure")
+
+    fake_engine.workers[0].deltastore_sync = broken
+    with pytest.raises(EngineSyncError, match=r"vLLM-level failure.*restart the engine"):
+        dv.sync(fake_engine, 8)
+    del fake_engine.workers[0].deltastore_sync
+    with pytest.raises(EngineSyncError, match=r"rank\(s\) \[1\] replied to an earlier call"):
+        dv.sync(fake_engine, 9)

@@ -131,3 +131,89 @@ def test_moved_errors_stay_importable_from_their_old_modules(module: str, name: 
     import importlib
 
     assert getattr(importlib.import_module(module), name) is getattr(errors, name)
+
+
+# --- the ranks of an engine agree, and the driver raises the rank that failed -----------------
+
+
+class Gathered:
+    """A group of ``world`` ranks, one thread each, whose ``all_gather_bytes`` is real (the
+    ranks wait for each other): :func:`agree`'s collective without torch."""
+
+    def __init__(self, world: int) -> None:
+        import threading
+
+        self.world = world
+        self.slots = [b""] * world
+        self.barrier = threading.Barrier(world, timeout=30)
+
+    def rank(self, r: int) -> Any:
+        group = self
+
+        class View:
+            rank = r
+
+            def all_gather_bytes(self, data: bytes) -> list[bytes]:
+                group.slots[r] = data
+                group.barrier.wait()
+                out = list(group.slots)
+                group.barrier.wait()
+                return out
+
+        return View()
+
+
+def agree_all(outcomes: list[BaseException | None]) -> list[BaseException | None]:
+    """Every rank (a thread each) agrees with its outcome; what each one raised (or None)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deltastore.engines.worker_errors import agree
+
+    group = Gathered(len(outcomes))
+
+    def one(r: int) -> BaseException | None:
+        exc = outcomes[r]
+        try:
+            agree(group.rank(r), None if exc is None else error_to_dict(exc))
+        except BaseException as raised:
+            return raised
+        return None
+
+    with ThreadPoolExecutor(len(outcomes)) as pool:
+        return list(pool.map(one, range(len(outcomes))))
+
+
+def test_agree_stops_the_ranks_that_succeeded_when_one_failed() -> None:
+    got = agree_all([None, errors.LayoutError("rank 1's layout does not fit"), None])
+    assert got[1] is None  # the failed rank reports its own error, not this one
+    for r in (0, 2):
+        assert isinstance(got[r], errors.RankError), got[r]
+        assert "rank 1 of the engine failed (LayoutError on rank 1: rank 1's layout" in str(got[r])
+        assert "changed nothing" in str(got[r])
+
+
+def test_agree_returns_when_every_rank_succeeded() -> None:
+    assert agree_all([None, None]) == [None, None]
+
+
+def test_agree_in_a_group_of_one_is_local() -> None:
+    from deltastore.engines.worker_errors import agree
+    from deltastore.sync.group import Group
+
+    agree(Group(None), None)
+    agree(Group(None), error_to_dict(ValueError("mine")))  # its own error: reported by it
+
+
+def test_the_rank_that_failed_is_raised_not_the_ranks_it_stopped() -> None:
+    stopped = on_worker(errors.RankError("rank 1 of the engine failed"))
+    stopped["rank"] = 0
+    cause = on_worker(errors.IntegrityError("frame 3 of versions/00000000000000000005/a.dsz"))
+    with pytest.raises(errors.IntegrityError, match=r"^rank 1: frame 3 of versions/"):
+        raise_for_error([stopped, cause])
+    with pytest.raises(errors.RankError, match=r"^rank 0: "):  # no other error: that one
+        raise_for_error([stopped, {"rank": 1, "ok": True, "error": None}])
+
+
+def test_a_failed_result_without_an_error_still_raises() -> None:
+    with pytest.raises(EngineSyncError, match="rank 1: failed without an error"):
+        raise_for_error([{"rank": 0, "ok": True}, {"rank": 1, "ok": False, "error": None}])

@@ -47,13 +47,17 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deltastore.engines.vllm_layout import EngineLayout, derive_layout
 from deltastore.engines.vllm_worker import Receiver
-from deltastore.engines.worker_errors import error_from_dict, error_to_dict
+from deltastore.engines.worker_errors import agree, error_from_dict, error_to_dict, root_cause
 from deltastore.errors import DeltastoreError, EngineSyncError
+
+if TYPE_CHECKING:
+    from deltastore.sync.group import Group
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +67,25 @@ EXTENSION = "deltastore.engines.vllm.DeltastoreWorkerExtension"
 
 class DeltastoreWorkerExtension:
     """Mixed into every vLLM worker (``worker_extension_cls``); call through
-    ``collective_rpc("deltastore_...", args=...)``. Each method returns this worker's result as
-    a dict of plain values; :func:`attach`, :func:`sync` and :func:`follow` call them for you.
+    ``collective_rpc("deltastore_...", args=..., kwargs={"call": ...})``. Each method returns
+    this worker's result as a dict of plain values; :func:`attach`, :func:`sync` and
+    :func:`follow` call them for you.
 
     Call order: ``deltastore_attach`` once (all workers together), then either
     ``deltastore_sync`` (one call: fetch, verify, write), or ``deltastore_prepare`` (fetch and
     verify on a background thread while the engine keeps generating), ``deltastore_status``
     until every worker is ``ready`` or ``done``, the engine paused, ``deltastore_commit``
     (the write phase).
+
+    No method raises: every result carries ``ok``, ``error`` (None, or ``{"type", "message",
+    "fields"}``: :func:`error_to_dict`), ``rank`` (the TP rank) and ``call`` (the caller's
+    token, echoed so the driver can tell this call's reply from an earlier one's). vLLM's
+    ``collective_rpc`` stops reading replies at the first rank whose method raised and leaves
+    the later ranks' replies queued, to be returned by the next call; a result never does that.
+    Steps that start collectives (attach, sync, prepare) first make the ranks agree
+    (:func:`~deltastore.engines.worker_errors.agree`, over vLLM's TP CPU group): when one rank
+    fails, the others stop with :class:`~deltastore.errors.RankError` instead of waiting in a
+    collective that rank never joins.
     """
 
     _deltastore: Receiver | None = None
@@ -81,6 +96,8 @@ class DeltastoreWorkerExtension:
         version: int,
         storage_options: dict[str, Any] | None = None,
         options: dict[str, Any] | None = None,
+        *,
+        call: str | None = None,
     ) -> dict[str, Any]:
         """Bind this worker's parameters, which hold ``version`` of the store at ``url``
         (the engine was loaded from that version's checkpoint), and verify them once
@@ -88,62 +105,215 @@ class DeltastoreWorkerExtension:
         ``options``: ``mode`` ("auto" | "inplace" | "rebuild"), ``layout`` ("module:function"),
         ``pad_vocab_to`` (64), ``reader_id``, ``lease_ttl`` (s; 0: no lease), ``max_workers``,
         ``max_inflight_bytes``, ``commit_timeout_s`` (600), ``rebuild_on_attach`` (True).
-        Raises :class:`LayoutError` when the model does not fit its preset and
+        The error is a :class:`LayoutError` when the model does not fit its layout and a
         :class:`~deltastore.errors.TensorMismatchError` when the parameters are not at
-        ``version``."""
-        if self._deltastore is not None:
-            self._deltastore.sub.close()
-        self._deltastore = Receiver(self, url, int(version), storage_options, dict(options or {}))
-        return self._deltastore.info()
+        ``version``. Binds on every rank or on none: a failed attach (on any rank) leaves each
+        worker's previous binding, or none, in place. While the new binding is made the old
+        one is kept, so the CPU shadows exist twice for that time."""
+        return self._deltastore_answer(
+            call, lambda: self._deltastore_attach(url, int(version), storage_options, options)
+        )
+
+    def deltastore_sync(
+        self, version: int | None = None, *, call: str | None = None
+    ) -> dict[str, Any]:
+        """Fetch, verify and write the versions up to ``version`` (newest: None) in one call.
+        Result: ``ok``, ``version`` (the one the worker holds now), ``report`` (a
+        :class:`~deltastore.sync.subscriber.SyncReport` as a dict), ``error``
+        (``{"type", "message"}`` or None), ``rebuilt_modules``, ``rebuild_s``."""
+        return self._deltastore_answer(call, lambda: self._deltastore_ready().run(version))
+
+    def deltastore_prepare(
+        self, version: int | None = None, *, call: str | None = None
+    ) -> dict[str, Any]:
+        """Start a sync on a background thread; it stops before writing (state ``ready``)."""
+        return self._deltastore_answer(call, lambda: self._deltastore_ready().prepare(version))
+
+    def deltastore_status(self, *, call: str | None = None) -> dict[str, Any]:
+        """``state``: "idle", "preparing", "ready" (verified, waiting for the commit) or
+        "done" (finished without writing: nothing new, or failed)."""
+        return self._deltastore_answer(call, lambda: self._deltastore_receiver().status())
+
+    def deltastore_commit(
+        self, timeout_s: float = 600.0, *, call: str | None = None
+    ) -> dict[str, Any]:
+        """Let a prepared sync write and wait for it; its result as :meth:`deltastore_sync`."""
+        return self._deltastore_answer(call, lambda: self._deltastore_receiver().commit(timeout_s))
+
+    def deltastore_info(self, *, call: str | None = None) -> dict[str, Any]:
+        """The binding: version held, tensors, modules rebuilt on change, shadow bytes."""
+        return self._deltastore_answer(call, lambda: self._deltastore_receiver().info())
+
+    def deltastore_close(self, *, call: str | None = None) -> dict[str, Any]:
+        """Release this worker's lease and its binding."""
+
+        def close() -> dict[str, Any]:
+            rec, self._deltastore = self._deltastore, None
+            if rec is not None:
+                rec.sub.close()
+            return {"closed": rec is not None}
+
+        return self._deltastore_answer(call, close)
+
+    # --- helpers (not RPC methods) ---
+
+    def _deltastore_answer(
+        self, call: str | None, step: Callable[[], Mapping[str, Any]]
+    ) -> dict[str, Any]:
+        """``step()``'s result with ``ok``, ``error``, ``rank`` and ``call``; whatever it
+        raises becomes ``{"ok": False, "error": error_to_dict(exc)}`` (logged with its
+        traceback here, in the worker's log)."""
+        try:
+            rank: int | None = _tp(self)[1]
+        except Exception:  # vLLM's groups are gone (shutting down): the step says so too
+            rank = None
+        try:
+            out = dict(step())
+        except Exception as exc:
+            log.warning("deltastore on rank %s failed", rank, exc_info=True)
+            out = {"ok": False, "error": error_to_dict(exc)}
+        out.setdefault("ok", True)
+        out.setdefault("error", None)
+        out.setdefault("rank", rank)
+        out["call"] = call
+        return out
 
     def _deltastore_receiver(self) -> Receiver:
         if self._deltastore is None:
             raise EngineSyncError("this worker is not attached; call deltastore_attach first")
         return self._deltastore
 
-    def deltastore_sync(self, version: int | None = None) -> dict[str, Any]:
-        """Fetch, verify and write the versions up to ``version`` (newest: None) in one call.
-        Result: ``ok``, ``version`` (the one the worker holds now), ``report`` (a
-        :class:`~deltastore.sync.subscriber.SyncReport` as a dict), ``error``
-        (``{"type", "message"}`` or None), ``rebuilt_modules``, ``rebuild_s``."""
-        return self._deltastore_receiver().run(version)
+    def _deltastore_ready(self) -> Receiver:
+        """The binding, once every rank agreed that it has one with no sync under way (a
+        sync's collectives need all ranks)."""
+        group = _tp(self)[0]
+        try:
+            rec = self._deltastore_receiver()
+            if rec.status()["state"] in ("preparing", "ready"):
+                raise EngineSyncError(
+                    "a prepared sync is under way on this worker; call deltastore_commit first"
+                )
+        except Exception as exc:
+            agree(group, error_to_dict(exc))
+            raise
+        agree(group, None)
+        return rec
 
-    def deltastore_prepare(self, version: int | None = None) -> dict[str, Any]:
-        """Start a sync on a background thread; it stops before writing (state ``ready``)."""
-        return self._deltastore_receiver().prepare(version)
+    def _deltastore_attach(
+        self,
+        url: str,
+        version: int,
+        storage_options: dict[str, Any] | None,
+        options: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """Make the new binding, agreeing with the other ranks twice: before the binding's
+        first collective (a rank that failed its local checks stops them all there), and
+        after it (a rank that failed later makes the others drop their new binding)."""
+        group = _tp(self)[0]
+        old = self._deltastore
+        stage = "local"
 
-    def deltastore_status(self) -> dict[str, Any]:
-        """``state``: "idle", "preparing", "ready" (verified, waiting for the commit) or
-        "done" (finished without writing: nothing new, or failed)."""
-        return self._deltastore_receiver().status()
+        def before_collectives() -> None:
+            nonlocal stage
+            stage = "agreeing"
+            agree(group, None)
+            stage = "bound"
 
-    def deltastore_commit(self, timeout_s: float = 600.0) -> dict[str, Any]:
-        """Let a prepared sync write and wait for it; its result as :meth:`deltastore_sync`."""
-        return self._deltastore_receiver().commit(timeout_s)
-
-    def deltastore_info(self) -> dict[str, Any]:
-        """The binding: version held, tensors, modules rebuilt on change, shadow bytes."""
-        return self._deltastore_receiver().info()
-
-    def deltastore_close(self) -> dict[str, Any]:
-        """Release this worker's lease and its binding."""
-        rec, self._deltastore = self._deltastore, None
-        if rec is not None:
+        try:
+            if old is not None and old.status()["state"] in ("preparing", "ready"):
+                raise EngineSyncError(
+                    "a prepared sync is under way on this worker; call deltastore_commit "
+                    "before attaching again"
+                )
+            rec = Receiver(
+                self, url, version, storage_options, dict(options or {}), before_collectives
+            )
+        except Exception as exc:
+            if stage != "agreeing":  # there the agreement itself said no: all ranks know
+                agree(group, error_to_dict(exc))
+            raise
+        try:  # after the binding's collectives (or, if it had none, the only agreement)
+            agree(group, None)
+        except Exception:
             rec.sub.close()
-        return {"closed": rec is not None}
+            raise
+        self._deltastore = rec
+        if old is not None:
+            old.sub.close()
+        return rec.info()
+
+
+def _tp(worker: Any) -> tuple[Group, int]:
+    """The group the ranks of ``worker``'s engine agree over (vLLM's TP CPU group; a group of
+    one at TP 1) and the worker's TP rank. Imports vLLM (on a worker only)."""
+    from vllm.distributed import parallel_state as ps
+
+    from deltastore.sync.group import Group
+
+    tp = ps.get_tp_group()
+    return (Group(tp.cpu_group) if tp.world_size > 1 else Group(None)), tp.rank_in_group
 
 
 # --- driver side ------------------------------------------------------------------------
 
 
 def raise_for_error(results: Sequence[Mapping[str, Any]]) -> None:
-    """Raise the first worker error of ``results`` as its type of ``deltastore.errors``
-    (:func:`error_from_dict`; :class:`EngineSyncError` for types not listed there), its
-    message prefixed with the worker's rank."""
-    for r in results:
-        err = r.get("error")
-        if err:
-            raise error_from_dict(err, prefix=f"rank {r.get('rank')}: ")
+    """Raise the error of the rank that failed (a :class:`~deltastore.errors.RankError` of a
+    rank that stopped because another failed only when no other error is there) as its type
+    of ``deltastore.errors`` (:func:`error_from_dict`; :class:`EngineSyncError` for types not
+    listed there), its message prefixed with the worker's rank."""
+    r = root_cause(results)
+    if r is None:
+        return
+    err = r.get("error") or {"type": "EngineSyncError", "message": "failed without an error"}
+    raise error_from_dict(err, prefix=f"rank {r.get('rank')}: ")
+
+
+def _escaped(method: str, exc: BaseException) -> EngineSyncError:
+    return EngineSyncError(
+        f"{method} failed in vLLM's collective_rpc, outside deltastore's worker methods "
+        f"({type(exc).__name__}: {exc}). vLLM stops reading the workers' replies at the first "
+        "rank that failed, so the engine's RPC channel may now be out of step: restart the "
+        f"engine. (Was it launched with worker_extension_cls={EXTENSION!r}, and the same "
+        "deltastore on the workers as here?)"
+    )
+
+
+def _answers(method: str, call: str, out: Any) -> list[dict[str, Any]]:
+    """The workers' results of call ``call``, checked to be replies to that call."""
+    if not isinstance(out, list) or not all(isinstance(r, dict) for r in out):
+        raise EngineSyncError(
+            f"{method}: the workers replied {type(out).__name__}, not one dict per rank; "
+            "restart the engine"
+        )
+    stale = [r.get("rank", i) for i, r in enumerate(out) if r.get("call") != call]
+    if stale:
+        raise EngineSyncError(
+            f"{method}: rank(s) {stale} replied to an earlier call, not this one: the engine's "
+            "RPC channel is out of step (an earlier collective_rpc failed in vLLM, which then "
+            "stops reading the later ranks' replies): restart the engine"
+        )
+    return out
+
+
+def _rpc(engine: Any, method: str, *args: Any) -> list[dict[str, Any]]:
+    """``engine.collective_rpc(method, args)`` (an ``LLM``), each rank's reply checked."""
+    call = uuid.uuid4().hex
+    try:
+        out = engine.collective_rpc(method, args=args, kwargs={"call": call})
+    except Exception as exc:
+        raise _escaped(method, exc) from exc
+    return _answers(method, call, out)
+
+
+async def _rpc_async(engine: Any, method: str, *args: Any) -> list[dict[str, Any]]:
+    """:func:`_rpc` for an ``AsyncLLM``."""
+    call = uuid.uuid4().hex
+    try:
+        out = await engine.collective_rpc(method, args=args, kwargs={"call": call})
+    except Exception as exc:
+        raise _escaped(method, exc) from exc
+    return _answers(method, call, out)
 
 
 def _changed(results: Sequence[Mapping[str, Any]]) -> bool:
@@ -164,10 +334,11 @@ def attach(
     **options: Any,
 ) -> list[dict[str, Any]]:
     """Bind every worker of ``llm`` (an ``LLM``) to ``version`` of the store at ``url``
-    (see :meth:`DeltastoreWorkerExtension.deltastore_attach`); results per worker."""
-    out: list[dict[str, Any]] = llm.collective_rpc(
-        "deltastore_attach", args=(os.fspath(url), version, storage_options, options)
-    )
+    (see :meth:`DeltastoreWorkerExtension.deltastore_attach`); results per worker. Raises the
+    failed rank's error (:func:`raise_for_error`: a :class:`LayoutError`, ...); the workers
+    then keep the binding they had (or none), and the engine serves on."""
+    out = _rpc(llm, "deltastore_attach", os.fspath(url), version, storage_options, options)
+    raise_for_error(out)
     llm.reset_prefix_cache()
     return out
 
@@ -175,8 +346,9 @@ def attach(
 def sync(llm: Any, version: int | None = None, *, check: bool = False) -> list[dict[str, Any]]:
     """Bring every worker of ``llm`` (an ``LLM``, not generating meanwhile: its calls block)
     to ``version`` (newest: None) and reset the prefix cache. ``check``: raise the workers'
-    typed error (:func:`raise_for_error`) instead of returning it."""
-    out: list[dict[str, Any]] = llm.collective_rpc("deltastore_sync", args=(version,))
+    typed error (:func:`raise_for_error`) instead of returning it. A failure inside vLLM's
+    RPC (not a worker's result) raises :class:`EngineSyncError` either way."""
+    out = _rpc(llm, "deltastore_sync", version)
     if _changed(out):
         llm.reset_prefix_cache()
     if check:
@@ -193,9 +365,10 @@ async def attach_async(
     **options: Any,
 ) -> list[dict[str, Any]]:
     """:func:`attach` for an ``AsyncLLM``."""
-    out: list[dict[str, Any]] = await engine.collective_rpc(
-        "deltastore_attach", args=(os.fspath(url), version, storage_options, options)
+    out = await _rpc_async(
+        engine, "deltastore_attach", os.fspath(url), version, storage_options, options
     )
+    raise_for_error(out)
     await engine.reset_prefix_cache()
     return out
 
@@ -212,10 +385,17 @@ async def sync_async(
     """Sync an ``AsyncLLM`` while it serves: the workers fetch and verify in the background;
     once all are ready, generation is paused (``pause_mode``: vLLM's "wait" lets requests in
     flight finish first, "keep" freezes them, "abort" ends them), the changes are written,
-    the prefix cache is reset and generation resumes (also when writing failed)."""
-    await engine.collective_rpc("deltastore_prepare", args=(version,))
+    the prefix cache is reset and generation resumes (also when writing failed). A prepare
+    that failed (on any rank: then none started) is returned (``check``: raised) as a sync
+    result; a status poll that failed raises."""
+    started = await _rpc_async(engine, "deltastore_prepare", version)
+    if root_cause(started) is not None:
+        if check:
+            raise_for_error(started)
+        return started
     while True:
-        states = await engine.collective_rpc("deltastore_status")
+        states = await _rpc_async(engine, "deltastore_status")
+        raise_for_error(states)
         if all(s["state"] in ("ready", "done") for s in states):
             break
         await asyncio.sleep(poll_s)
@@ -223,9 +403,7 @@ async def sync_async(
     if paused:
         await engine.pause_generation(mode=pause_mode, clear_cache=False)
     try:
-        out: list[dict[str, Any]] = await engine.collective_rpc(
-            "deltastore_commit", args=(commit_timeout_s,)
-        )
+        out = await _rpc_async(engine, "deltastore_commit", commit_timeout_s)
         if _changed(out):
             await engine.reset_prefix_cache()
     finally:

@@ -23,6 +23,8 @@ from deltastore.errors import EngineSyncError, LayoutError
 from deltastore.layout.boxes import Layout
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from deltastore.format.manifest import Manifest
@@ -63,6 +65,7 @@ class Receiver:
         version: int,
         storage_options: dict[str, Any] | None,
         options: dict[str, Any],
+        before_collectives: Callable[[], None] | None = None,
     ) -> None:
         import torch
         import torch.distributed as dist
@@ -152,6 +155,8 @@ class Receiver:
             t.numel() * t.element_size() for d in self._shadows.values() for t in d.values()
         )
         # the engine's own groups carry its collectives; a sync gets a group of its own
+        if before_collectives is not None:  # the ranks agree that all got here (or all stop)
+            before_collectives()
         self._group = dist.new_group(ranks=list(range(size)), backend="gloo") if size > 1 else None
         device = next(iter(tensors.values())).device
         common: dict[str, Any] = {

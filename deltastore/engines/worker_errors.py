@@ -6,16 +6,21 @@ of :mod:`deltastore.errors` (:func:`error_from_dict`). Types are looked up by na
 ``deltastore.errors.__all__`` only (never imported by a name read from a worker); keyword
 arguments of a constructor (``TableChangedError``'s ``added``, ...) travel in ``fields``.
 Pure functions, thread-safe; no vLLM or torch import.
+
+The ranks of an engine agree on a step before any of them enters a collective that needs all
+of them (:func:`agree`): a rank that failed alone would otherwise leave the others waiting in
+that collective until its timeout (gloo's: 30 min), with the engine stalled meanwhile.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
-from typing import Any
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from deltastore import errors
-from deltastore.errors import DeltastoreError, EngineSyncError
+from deltastore.errors import DeltastoreError, EngineSyncError, RankError
 
 
 def _public_type(cls: type[BaseException]) -> type[DeltastoreError] | None:
@@ -81,4 +86,42 @@ def error_from_dict(err: Mapping[str, Any], *, prefix: str = "") -> DeltastoreEr
     return cls(f"{prefix}{message}", **kwargs)
 
 
-__all__ = ["error_from_dict", "error_to_dict"]
+class _Gather(Protocol):
+    """What :func:`agree` needs of a group: :class:`deltastore.sync.group.Group`."""
+
+    rank: int
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]: ...
+
+
+def agree(group: _Gather, error: Mapping[str, Any] | None) -> None:
+    """Every rank of ``group`` calls this at the same point of a step with its own outcome
+    (``error``: :func:`error_to_dict` of what it raised, None: it succeeded so far); a
+    collective (two gloo all-reduces of a few bytes; local in a group of one). Returns when
+    every rank succeeded; raises :class:`~deltastore.errors.RankError` naming the ranks that
+    failed and their first error on a rank that succeeded, and nothing on a rank that failed
+    (it reports its own error). Errors travel as JSON, never pickled."""
+    mine = b"" if error is None else json.dumps(dict(error)).encode()
+    got = group.all_gather_bytes(mine)
+    failed = {r: json.loads(b) for r, b in enumerate(got) if b}
+    if not failed or error is not None:
+        return
+    first, err = next(iter(failed.items()))
+    raise RankError(
+        f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} of the engine "
+        f"failed ({err.get('type')} on rank {first}: {err.get('message')}); this rank stopped "
+        "too and changed nothing"
+    )
+
+
+def root_cause(results: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The result of ``results`` (one per rank, in rank order) that explains a failure: the
+    first with an error other than :class:`~deltastore.errors.RankError` (the rank that
+    failed, not one that stopped because of it), else the first failed one; None when every
+    rank succeeded."""
+    failed = [r for r in results if r.get("error") or r.get("ok") is False]
+    cause = [r for r in failed if r.get("error") and r["error"].get("type") != "RankError"]
+    return (cause or failed)[0] if failed else None
+
+
+__all__ = ["agree", "error_from_dict", "error_to_dict", "root_cause"]
