@@ -14,10 +14,16 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from deltastore.engines.vllm_layout import _custom_layout, _fit, derive_layout
+from deltastore.engines.vllm_refresh import (
+    find_consumers,
+    modules_of_sources,
+    refresh,
+    refresh_order,
+    stale,
+)
 from deltastore.engines.worker_errors import error_to_dict
 from deltastore.errors import EngineSyncError, LayoutError
 from deltastore.layout.boxes import Layout
@@ -120,19 +126,20 @@ class Receiver:
         rebuild = mode == "rebuild" or (mode == "auto" and current_platform.is_cpu())
         tensors: dict[str, torch.Tensor] = {}
         self._shadows: dict[str, dict[str, torch.Tensor]] = {}  # module -> param -> shadow
-        self._modules: dict[str, torch.nn.Module] = {}  # modules rebuilt after a change
-        self._modules_of: dict[str, set[str]] = {}  # HF name -> modules to rebuild
+        synced = {n: params[n] for n in el.layout.parts}
+        # every module to refresh after a change, as vLLM's loader processes it (vllm_refresh)
+        self._consumers = find_consumers(
+            model, synced, derived=getattr(el, "derived", ()), rebuild=rebuild
+        )
+        self._dtype = config.model_config.dtype
         shadowed: list[str] = []
         for name in el.layout.parts:
             p, mod = params[name], owner[name]
             mod_name, _, pname = name.rpartition(".")
-            method = getattr(mod, "quant_method", None)
-            if rebuild and method is not None:
-                self._modules[mod_name] = mod
-                for src in el.sources.get(name, ()):
-                    self._modules_of.setdefault(src, set()).add(mod_name)
+            kind = self._consumers[mod_name].kind if mod_name in self._consumers else None
+            if rebuild and kind == "quant":
                 if (
-                    type(method).__name__ == "UnquantizedEmbeddingMethod"
+                    type(mod.quant_method).__name__ == "UnquantizedEmbeddingMethod"
                     and tuple(p.shape) == el.shapes[name]
                 ):
                     tensors[name] = p.data  # embeddings keep their weight: in place, re-packed
@@ -149,8 +156,23 @@ class Receiver:
             else:
                 tensors[name] = p.data
         self.sharers: dict[str, str] = {}  # module -> the synced parameter it shares
-        if rebuild:
-            self._add_sharers(model, {n: params[n] for n in el.layout.parts}, el.sources)
+        by_id = {id(p): n for n, p in synced.items()}
+        for mod_name, c in self._consumers.items():
+            if c.kind != "quant":
+                continue
+            for pname, p in c.module._parameters.items():
+                src = by_id.get(id(p)) if p is not None else None
+                if src is None or src.rpartition(".")[0] == mod_name:
+                    continue
+                self.sharers[mod_name] = src  # e.g. a tied LM head: the embedding's weight
+                src_mod, _, src_p = src.rpartition(".")
+                if src_p in self._shadows.get(src_mod, {}):  # its own copy of the shadow
+                    self._shadows.setdefault(mod_name, {})[pname] = self._shadows[src_mod][src_p]
+        self._modules_of = modules_of_sources(self._consumers, el.sources)
+        self._sources_of: dict[str, set[str]] = {}  # consumer -> the HF tensors it reads
+        for src, names in self._modules_of.items():
+            for n in names:
+                self._sources_of.setdefault(n, set()).add(src)
         self.shadow_bytes = sum(
             t.numel() * t.element_size() for d in self._shadows.values() for t in d.values()
         )
@@ -181,7 +203,8 @@ class Receiver:
         self._thread: threading.Thread | None = None
         self._result: dict[str, Any] | None = None
         self._rebuilt, self._rebuild_s = 0, 0.0
-        self._pending: set[str] = set()  # modules written but not yet rebuilt
+        self._refreshed: list[str] = []  # consumers refreshed by the current sync, in order
+        self._pending: set[str] = set()  # consumers written but not yet refreshed
         self._gate = _Gate()
         self._gate.timeout_s = float(options.get("commit_timeout_s", 600.0))
         self.sub: Subscriber = Subscriber(
@@ -195,69 +218,47 @@ class Receiver:
         )
         self.sub.verify()  # every held tensor is at `version` (engine parameters and shadows)
         if options.get("rebuild_on_attach", True):
-            self._rebuild(set(self._modules))
+            self._rebuild(set(self._consumers))
         self.attach_s = time.perf_counter() - t0
 
-    def _add_sharers(
-        self,
-        model: torch.nn.Module,
-        synced: Mapping[str, torch.Tensor],
-        sources: Mapping[str, Sequence[str]],
-    ) -> None:
-        """Rebuild, with the owner of a synced parameter, every other module that holds the
-        same parameter (``named_parameters()`` names a shared parameter once, after its first
-        owner): a tied LM head holds the embedding's weight, and on CPU it keeps a packed copy
-        of it that only its own ``process_weights_after_loading`` refreshes."""
-        by_id = {id(p): n for n, p in synced.items()}
-        by_ptr = {p.data_ptr(): n for n, p in synced.items() if p.numel()}
-        for mod_name, mod in model.named_modules():
-            if mod_name in self._modules or getattr(mod, "quant_method", None) is None:
-                continue
-            for p in mod._parameters.values():
-                if p is None:
-                    continue
-                name = by_id.get(id(p)) or (by_ptr.get(p.data_ptr()) if p.numel() else None)
-                if name is None:
-                    continue
-                self._modules[mod_name] = mod
-                self.sharers[mod_name] = name
-                for src in sources.get(name, ()):
-                    self._modules_of.setdefault(src, set()).add(mod_name)
-
     def _rebuild(self, names: set[str]) -> None:
-        """Rebuild the kernels of modules ``names`` from their checkpoint-format tensors."""
-        import torch
-
+        """Refresh the consumers ``names`` (:mod:`deltastore.engines.vllm_refresh`) in vLLM's
+        order of post-load processing; each one is taken off the pending set once refreshed.
+        Raises :class:`EngineSyncError` naming the first that fails (it stays pending)."""
         t0 = time.perf_counter()
-        for name in sorted(names):
-            mod = self._modules[name]
-            for pname, shadow in self._shadows.get(name, {}).items():
-                # a copy: a kernel may keep (or repack into) the tensor it is given
-                setattr(mod, pname, torch.nn.Parameter(shadow.clone(), requires_grad=False))
-            method: Any = mod.quant_method
-            if getattr(method, "moe_kernel", None) is not None:
-                method.moe_kernel = None  # MoE: the first-load path prepacks the experts again
-            method.process_weights_after_loading(mod)
-        self._rebuilt += len(names)
-        self._rebuild_s += time.perf_counter() - t0
+        try:
+            for name in refresh_order(names, self._consumers):
+                c = self._consumers[name]
+                try:
+                    refresh(name, c, self._shadows.get(name, {}), self._dtype)
+                except Exception as exc:
+                    raise EngineSyncError(
+                        f"refreshing {name} ({c.kind}) after the weights it reads changed "
+                        f"failed: {type(exc).__name__}: {exc}; the engine would serve stale "
+                        "outputs from it: do not serve from this engine until a sync reports "
+                        "ok (the next sync refreshes it again first)"
+                    ) from exc
+                self._pending.discard(name)
+                self._refreshed.append(name)
+                self._rebuilt += 1
+        finally:
+            self._rebuild_s += time.perf_counter() - t0
 
     def _on_version(self, m: Manifest) -> None:
-        """After ``m`` was written: rebuild the kernels of the modules it changed. Modules
-        whose rebuild failed stay pending and are rebuilt first by the next sync."""
-        if not self._modules:
+        """After ``m`` was written: refresh every consumer of a tensor it changed (all of them
+        after an anchor). Those whose refresh failed stay pending and are refreshed first by
+        the next sync."""
+        if not self._consumers:
             return
         if m.kind == "anchor":
-            self._pending |= set(self._modules)
-        for name, entry in m.tensors.items():
-            if entry.changed:
-                self._pending |= self._modules_of.get(name, set())
+            self._pending |= set(self._consumers)
+        else:
+            self._pending |= stale([n for n, e in m.tensors.items() if e.changed], self._modules_of)
         self._rebuild_pending()
 
     def _rebuild_pending(self) -> None:
-        while self._pending:
-            name = min(self._pending)
-            self._rebuild({name})
-            self._pending.discard(name)
+        if self._pending:
+            self._rebuild(set(self._pending))
 
     def info(self) -> dict[str, Any]:
         return {
@@ -265,7 +266,12 @@ class Receiver:
             "version": self.sub.version,
             "reader_id": self.sub.reader_id,
             "tensors": len(self.sub.tensors or {}),
-            "rebuilt_modules": len(self._modules),
+            "rebuilt_modules": len(self._consumers),
+            # each module refreshed after a change: how, and after a change of which HF tensors
+            "consumers": {
+                n: {"kind": c.kind, "sources": sorted(self._sources_of.get(n, ()))}
+                for n, c in self._consumers.items()
+            },
             "shared_modules": dict(self.sharers),
             "shadow_bytes": self.shadow_bytes,
             "attach_s": self.attach_s,
@@ -273,8 +279,10 @@ class Receiver:
         }
 
     def run(self, version: int | None) -> dict[str, Any]:
-        """One sync to ``version`` (newest: None); the result as plain values."""
-        self._rebuilt, self._rebuild_s = 0, 0.0
+        """One sync to ``version`` (newest: None); the result as plain values: ``ok`` only when
+        every version was applied and every consumer of what it changed was refreshed
+        (``refreshed``: their names, in order; ``pending``: those still stale)."""
+        self._rebuilt, self._rebuild_s, self._refreshed = 0, 0.0, []
         out: dict[str, Any] = {"rank": self.rank, "from_version": self.sub.version}
         try:
             self._rebuild_pending()  # a previous sync wrote but failed to rebuild
@@ -284,7 +292,11 @@ class Receiver:
             log.warning("deltastore sync on rank %d failed: %s", self.rank, exc)
             out.update(ok=False, report=None, error=error_to_dict(exc))
         out.update(
-            version=self.sub.version, rebuilt_modules=self._rebuilt, rebuild_s=self._rebuild_s
+            version=self.sub.version,
+            rebuilt_modules=self._rebuilt,
+            rebuild_s=self._rebuild_s,
+            refreshed=list(self._refreshed),
+            pending=sorted(self._pending),
         )
         return out
 

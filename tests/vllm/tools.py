@@ -38,10 +38,16 @@ ODD_VOCAB = "+vocab1000"
 TIED = "+tied"
 
 
+#: Architectures whose HF model always ties the LM head to the embedding (Gemma).
+ALWAYS_TIED = ("gemma2", "gemma3_text")
+
+
 def tiny_config(arch: str) -> Any:
-    """A tiny config of ``arch`` (llama, qwen2, qwen3, qwen3_moe, mixtral; ``+vocab1000``
-    after the name: 1000 tokens; ``+tied``: the LM head tied to the embedding) from the
-    installed transformers: hidden 128, 2 layers, 4 heads / 2 kv heads, vocab 1024."""
+    """A tiny config of ``arch`` (llama, qwen2, qwen3, qwen3_moe, mixtral, phi3, qwen2_moe,
+    olmoe, gemma2, gemma3_text, deepseek_v2; ``+vocab1000`` after the name: 1000 tokens;
+    ``+tied``: the LM head tied to the embedding, always so for Gemma) from the installed
+    transformers: hidden 128, 2 layers, 4 heads / 2 kv heads, vocab 1024, MoE with 4 experts
+    (2 per token); special token ids inside the vocabulary."""
     import transformers as tf
 
     vocab, tied = 1024, arch.endswith(TIED)
@@ -50,28 +56,56 @@ def tiny_config(arch: str) -> Any:
         arch, vocab = arch.removesuffix(ODD_VOCAB), 1000
     common: dict[str, Any] = dict(
         vocab_size=vocab, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=tied,
+        num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=tied or arch in ALWAYS_TIED,
     )  # fmt: skip
-    names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
-             "mixtral": "Mixtral"}  # fmt: skip
-    if arch in names:  # vLLM picks its model class by the config's architectures
-        common["architectures"] = [f"{names[arch]}ForCausalLM"]
-    if arch == "llama":
-        return tf.LlamaConfig(intermediate_size=256, **common)
-    if arch == "qwen2":
-        return tf.Qwen2Config(intermediate_size=256, **common)
-    if arch == "qwen3":
-        return tf.Qwen3Config(intermediate_size=256, head_dim=32, **common)
-    if arch == "qwen3_moe":
-        return tf.Qwen3MoeConfig(
-            intermediate_size=256, moe_intermediate_size=64, num_experts=4,
-            num_experts_per_tok=2, head_dim=32, **common,
-        )  # fmt: skip
-    if arch == "mixtral":
-        return tf.MixtralConfig(
-            intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, **common
-        )
-    raise ValueError(arch)
+    tokens = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    # name: (config class, vLLM's model class, the family's own settings)
+    table: dict[str, tuple[str, str, dict[str, Any]]] = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=256)),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=256)),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=256, head_dim=32)),
+        "qwen3_moe": (
+            "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+            dict(intermediate_size=256, head_dim=32, **moe),
+        ),
+        "mixtral": (
+            "MixtralConfig", "MixtralForCausalLM",
+            dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
+        ),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(intermediate_size=256, **tokens)),
+        "qwen2_moe": (
+            "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+            dict(intermediate_size=256, shared_expert_intermediate_size=128,
+                 decoder_sparse_step=1, **moe),
+        ),
+        "olmoe": (
+            "OlmoeConfig", "OlmoeForCausalLM",
+            dict(intermediate_size=64, num_experts=4, num_experts_per_tok=2, **tokens),
+        ),
+        "gemma2": (
+            "Gemma2Config", "Gemma2ForCausalLM",
+            dict(intermediate_size=256, head_dim=32, sliding_window=64, **tokens),
+        ),
+        "gemma3_text": (
+            "Gemma3TextConfig", "Gemma3ForCausalLM",
+            dict(intermediate_size=256, head_dim=32, sliding_window=64, **tokens),
+        ),
+        # MLA: latent kv of rank 32; layer 0 dense, layer 1 MoE with a shared expert
+        "deepseek_v2": (
+            "DeepseekV2Config", "DeepseekV2ForCausalLM",
+            dict(intermediate_size=256, moe_intermediate_size=64, n_routed_experts=4,
+                 num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                 kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                 v_head_dim=32, head_dim=16, n_group=1, topk_group=1, **tokens),
+        ),
+    }  # fmt: skip
+    if arch not in table:
+        raise ValueError(arch)
+    cls, vllm_cls, own = table[arch]
+    # vLLM picks its model class by the config's architectures
+    return getattr(tf, cls)(architectures=[vllm_cls], **common, **own)
 
 
 def build_model(arch: str, dest: Path, seed: int = 0) -> Path:
