@@ -114,3 +114,55 @@ def _custom_layout(
     if not isinstance(out, Layout):
         raise LayoutError(f"layout function {qualname} returned {type(out).__name__}, not a Layout")
     return out
+
+
+def worker_layout(
+    choice: str | None,
+    model: Any,
+    vllm_config: Any,
+    shapes: Mapping[str, Sequence[int]],
+    *,
+    url: str,
+    version: int,
+    storage_options: Mapping[str, Any] | None,
+    tp_rank: int,
+    tp_size: int,
+    pad_vocab_to: int = 64,
+    cache: bool = True,
+) -> tuple[EngineLayout, tuple[str, ...]]:
+    """The layout a vLLM worker attaches with, and its derived parameters (no checkpoint
+    source: the model computes them). ``choice``: None or ``"trace"`` (default): traced from
+    the model's own ``load_weights`` against the manifest of ``version`` in the store at
+    ``url`` (cached, see :mod:`deltastore.engines.vllm_trace_cache`; ``cache=False`` traces
+    anew); ``"preset"``: :func:`derive_layout`; ``"package.module:function"``: a custom layout
+    fitted to ``shapes`` (the worker's parameter names -> checkpoint-format shapes)."""
+    hf_config = vllm_config.model_config.hf_config.to_dict()
+    if choice == "preset":
+        el = derive_layout(
+            shapes, hf_config, tp_rank=tp_rank, tp_size=tp_size, pad_vocab_to=pad_vocab_to
+        )
+        return el, ()
+    if choice and choice != "trace":
+        custom = _custom_layout(choice, shapes, hf_config, tp_rank, tp_size)
+        return _fit(custom, None, shapes, f"layout {choice}"), ()
+    from deltastore.catalog.chain import ChainReader
+    from deltastore.engines.vllm_trace_cache import cached_trace, vllm_key
+    from deltastore.store.registry import open_store
+
+    manifest = ChainReader(open_store(url, dict(storage_options or {}))).manifest(version)
+    global_shapes = {n: tuple(e.shape) for n, e in manifest.tensors.items()}
+    key = vllm_key(vllm_config, tp_rank, tp_size)
+    key["dtypes"] = sorted({str(e.dtype) for e in manifest.tensors.values()})
+    got = cached_trace(model, global_shapes, key, cache=cache)
+    wrong = [
+        f"{n}: traced {list(s)}, the worker holds {list(shapes[n])}"
+        for n, s in got.layout.shapes.items()
+        if n in shapes and tuple(shapes[n]) != tuple(s)
+    ]
+    missing = sorted(set(got.layout.shapes) - set(shapes))
+    if wrong or missing:
+        raise LayoutError(
+            "the traced layout does not fit the worker's parameters: "
+            + "; ".join([*wrong[:5], *(f"{n} is not a parameter" for n in missing[:5])])
+        )
+    return got.layout, got.derived

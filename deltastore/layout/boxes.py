@@ -9,7 +9,9 @@ declares, for each *local* tensor, an expression over *global* tensors (manifest
   (even split; ``sizes=`` for uneven splits, ``block=`` for padded fixed-size blocks such as
   vocab-parallel embeddings whose last rank is partly padding);
 - :func:`fuse` ``(parts, dim)``: parts concatenated along ``dim`` (``qkv_proj``, ``gate_up_proj``);
-- :func:`stack` ``(parts)``: parts stacked along a new leading dim (MoE ``w13_weight``).
+- :func:`stack` ``(parts)``: parts stacked along a new leading dim (MoE ``w13_weight``);
+- :class:`Placed` ``(shape, boxes, padding)``: explicit boxes of a local tensor of ``shape``
+  (what a trace of the engine's own weight loading finds, :mod:`deltastore.engines.vllm_trace`).
 
 Declarations hold no shapes. :meth:`Layout.bind` resolves them against a manifest's shapes into
 frozen :class:`Placement` items (like torch.distributed.checkpoint's ReadItem: a box of a global
@@ -72,7 +74,21 @@ class Stack:
     parts: tuple[Part, ...]
 
 
-Part = Replicate | Shard | Fuse | Stack
+@dataclass(frozen=True)
+class Placed:
+    """A local tensor of ``shape`` holding explicit ``boxes`` of global tensors (each box's
+    ``dst_offset`` in the local dims; local-only leading dims have length 1 in the box);
+    ``padding``: ``(offset, lengths)`` regions of the local tensor (local dims) that no
+    global tensor writes (a padded vocabulary's rows). :meth:`Layout.bind` checks that every
+    box lies inside its global tensor and the local tensor and that no two boxes or padding
+    regions overlap."""
+
+    shape: tuple[int, ...]
+    boxes: tuple[Box, ...]
+    padding: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+
+
+Part = Replicate | Shard | Fuse | Stack | Placed
 
 
 def _part(p: Part | str) -> Part:
@@ -360,6 +376,8 @@ def _bind(part: Part, shapes: Mapping[str, Sequence[int]], where: str) -> _Bound
                 boxes.append(Box(box.source, box.offset, box.lengths, dst))
             at += piece.shape[d]
         return _Bound((*bound[0].shape[:d], at, *bound[0].shape[d + 1 :]), tuple(boxes))
+    if isinstance(part, Placed):
+        return _bind_placed(part, shapes, where)
     bound = [_bind(p, shapes, where) for p in part.parts]
     if any(b.shape != bound[0].shape for b in bound):
         raise LayoutError(f"{where}: cannot stack shapes {[list(b.shape) for b in bound]}")
@@ -369,6 +387,49 @@ def _bind(part: Part, shapes: Mapping[str, Sequence[int]], where: str) -> _Bound
         for box in b.boxes
     ]
     return _Bound((len(bound), *bound[0].shape), tuple(boxes))
+
+
+def _bind_placed(part: Placed, shapes: Mapping[str, Sequence[int]], where: str) -> _Bound:
+    """Check explicit boxes against the global ``shapes`` and the local shape."""
+    shape = tuple(int(n) for n in part.shape)
+    regions: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for b in part.boxes:
+        if b.source not in shapes:
+            raise LayoutError(f"{where}: global tensor {b.source!r} is not in the manifest")
+        src = tuple(int(n) for n in shapes[b.source])
+        extra = len(shape) - len(src)
+        if (
+            len(b.offset) != len(src)
+            or len(b.lengths) != len(src)
+            or len(b.dst_offset) != len(shape)
+            or extra < 0
+        ):
+            raise LayoutError(
+                f"{where}: box of {b.source!r} {list(src)} has offset {list(b.offset)}, lengths "
+                f"{list(b.lengths)} and local offset {list(b.dst_offset)} for local shape "
+                f"{list(shape)}: dims do not match"
+            )
+        lengths = (1,) * extra + b.lengths
+        if any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(b.offset, b.lengths, src, strict=True)
+        ) or any(o < 0 or o + n > s for o, n, s in zip(b.dst_offset, lengths, shape, strict=True)):
+            raise LayoutError(
+                f"{where}: box of {b.source!r} at {list(b.offset)} + {list(b.lengths)} placed at "
+                f"{list(b.dst_offset)} does not fit the global shape {list(src)} and the local "
+                f"shape {list(shape)}"
+            )
+        regions.append((b.dst_offset, lengths))
+    for off, ln in part.padding:
+        if len(off) != len(shape) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(off, ln, shape, strict=True)
+        ):
+            raise LayoutError(
+                f"{where}: padding at {list(off)} + {list(ln)} is outside the shape {list(shape)}"
+            )
+        regions.append((tuple(off), tuple(ln)))
+    if covered(shape, regions) != sum(math.prod(n) for _, n in regions):
+        raise LayoutError(f"{where}: boxes or padding regions overlap")
+    return _Bound(shape, part.boxes)
 
 
 def _dst_len(b: Box, d: int) -> int:
@@ -455,6 +516,8 @@ def _sources(part: Part) -> list[str]:
         return [part.name]
     if isinstance(part, Shard):
         return _sources(part.part)
+    if isinstance(part, Placed):
+        return [b.source for b in part.boxes]
     return [n for p in part.parts for n in _sources(p)]
 
 
@@ -510,6 +573,7 @@ __all__ = [
     "Fuse",
     "Layout",
     "Part",
+    "Placed",
     "Placement",
     "Replicate",
     "Shard",

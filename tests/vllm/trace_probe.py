@@ -1,0 +1,161 @@
+"""Trace vLLM's own weight loading (deltastore.engines.vllm_trace) on vLLM's model classes,
+instantiated on the meta device (no engine, no weights) at TP 1 or TP 2, one process per rank.
+
+    trace_probe.py ARCH... --tp N --workdir DIR
+
+For each architecture (a tiny config from ``tools.tiny_config``, written to ``DIR/ARCH``) and
+rank it prints, on the line that starts with ``tools.RESULT``: the checkpoint tensors (names
+and shapes of the HF model transformers builds from the config, on the meta device), the
+traced layout (per parameter its shape and boxes), the derived parameters, whether every
+parameter is traced or derived, the trace's time, and for the preset families whether the
+traced placements equal the preset's (``equal_preset``, with the first differences).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import tools
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def hf_checkpoint_shapes(config: Any) -> dict[str, list[int]]:
+    """The tensors the HF model of ``config`` saves (names, shapes), built on the meta device:
+    what a trainer publishes (tied weights once)."""
+    import torch
+    import transformers as tf
+
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(config)
+    tied = set()
+    if getattr(config, "tie_word_embeddings", False):
+        tied.add("lm_head.weight")
+    return {n: list(t.shape) for n, t in model.state_dict().items() if n not in tied}
+
+
+def _placements(layout: Any, shapes: dict[str, list[int]]) -> dict[str, list[list[Any]]]:
+    from deltastore.engines.vllm_trace import merge_boxes
+
+    bound = layout.bind(shapes)
+    per: dict[str, list[Any]] = {}
+    for ps in bound.placements.values():
+        for p in ps:
+            per.setdefault(p.local, []).append(p.box)
+    return {
+        n: [[b.source, list(b.offset), list(b.lengths), list(b.dst_offset)]
+            for b in merge_boxes(boxes, bound.local_shapes[n])]
+        for n, boxes in per.items()
+    }  # fmt: skip
+
+
+def _one(cfg: Any, model: Any, rank: int, world: int) -> dict[str, Any]:
+    from deltastore.engines.vllm_layout import derive_layout
+    from deltastore.engines.vllm_trace import checkpoint_meta, trace_layout
+    from deltastore.layout.presets import FAMILIES
+
+    hf = cfg.model_config.hf_config
+    shapes = hf_checkpoint_shapes(hf)
+    params = {n: list(m.shape) for n, m in checkpoint_meta(model).items()}
+    t0 = time.perf_counter()
+    got = trace_layout(model, shapes)
+    seconds = time.perf_counter() - t0
+    traced = _placements(got.layout.layout, shapes)
+    out: dict[str, Any] = {
+        "class": type(model).__name__,
+        "params": params,
+        "traced": traced,
+        "derived": list(got.derived),
+        "padding": {n: [list(map(list, r)) for r in rs] for n, rs in got.padding.items()},
+        "covers_every_parameter": set(traced) | set(got.derived) == set(params),
+        "seconds": seconds,
+    }
+    if hf.model_type in FAMILIES:
+        preset = derive_layout(params, hf.to_dict(), tp_rank=rank, tp_size=world)
+        want = _placements(preset.layout, shapes)
+        diff = [n for n in sorted(set(want) | set(traced)) if want.get(n) != traced.get(n)]
+        out["equal_preset"] = not diff
+        out["preset_diff"] = [{"param": n, "preset": want.get(n), "traced": traced.get(n)}
+                              for n in diff[:3]]  # fmt: skip
+    return out
+
+
+def _rank(rank: int, world: int, port: int, archs: list[str], workdir: str, q: Any) -> None:
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    out: dict[str, Any] = {}
+    # vLLM creates its expert-parallel group only when the model parallel state is set up for
+    # a MoE model: initialize under one
+    moe = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v2")
+    archs = sorted(archs, key=lambda a: a.split("+")[0] not in moe)
+    os.environ["VLLM_DIST_IDENT"] = str(port)  # as vLLM's CPU worker sets it
+    for i, arch in enumerate(archs):
+        try:
+            cfg = EngineArgs(
+                model=str(Path(workdir) / arch), skip_tokenizer_init=True, dtype="bfloat16",
+                enforce_eager=True, max_model_len=256, tensor_parallel_size=world,
+            ).create_engine_config()  # fmt: skip
+            with set_current_vllm_config(cfg):
+                if i == 0:
+                    init_distributed_environment(
+                        world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                        distributed_init_method=f"tcp://127.0.0.1:{port}",
+                    )  # fmt: skip
+                    initialize_model_parallel(tensor_model_parallel_size=world)
+                with torch.device("meta"):
+                    model = initialize_model(vllm_config=cfg)
+                out[arch] = _one(cfg, model, rank, world)
+        except Exception as exc:  # reported to the test, which fails with it
+            out[arch] = {"error": f"{type(exc).__name__}: {exc}"}
+    q.put((rank, out))
+
+
+def run(archs: list[str], tp: int, workdir: Path) -> dict[str, Any]:
+    for arch in archs:  # a tiny config of each, written by the installed transformers
+        tools.tiny_config(arch).save_pretrained(workdir / arch)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank, args=(r, tp, port, archs, str(workdir), q)) for r in range(tp)
+    ]
+    for p in procs:
+        p.start()
+    results = dict(q.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(60)
+    return {str(r): results[r] for r in sorted(results)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("archs", nargs="+")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--workdir", required=True)
+    a = p.parse_args()
+    res = run(a.archs, a.tp, Path(a.workdir))
+    sys.stdout.write("\n" + tools.RESULT + json.dumps(res) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
