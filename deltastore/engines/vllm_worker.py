@@ -16,7 +16,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from deltastore.engines.vllm_layout import _custom_layout, _fit, derive_layout
+from deltastore.engines.vllm_layout import worker_layout
 from deltastore.engines.vllm_refresh import (
     find_consumers,
     modules_of_sources,
@@ -83,6 +83,7 @@ class Receiver:
         known = {
             "mode", "layout", "pad_vocab_to", "reader_id", "lease_ttl", "max_workers",
             "max_inflight_bytes", "commit_timeout_s", "rebuild_on_attach",
+            "trace_cache",
         }  # fmt: skip
         unknown = sorted(set(options) - known)
         if unknown:
@@ -102,24 +103,20 @@ class Receiver:
                 "ranks in one world are not supported by the vLLM adapter yet"
             )
         model = worker.model_runner.model
-        hf_config = config.model_config.hf_config.to_dict()
         self.rank = ps.get_tensor_model_parallel_rank()
         params = dict(model.named_parameters())
         owner = {n: model.get_submodule(n.rpartition(".")[0]) for n in params}
         shapes = {
             n: _checkpoint_shape(owner[n], n.rpartition(".")[2], p) for n, p in params.items()
         }
-        if options.get("layout"):
-            custom = _custom_layout(str(options["layout"]), shapes, hf_config, self.rank, size)
-            el = _fit(custom, None, shapes, f"layout {options['layout']}")
-        else:
-            el = derive_layout(
-                shapes,
-                hf_config,
-                tp_rank=self.rank,
-                tp_size=size,
-                pad_vocab_to=int(options.get("pad_vocab_to", 64)),
-            )
+        # the layout: traced from the model's own load_weights (default, cached), the
+        # presets (layout="preset") or a custom function (layout="package.module:function")
+        el, self.derived = worker_layout(
+            options.get("layout"), model, config, shapes, url=url, version=version,
+            storage_options=storage_options, tp_rank=self.rank, tp_size=size,
+            pad_vocab_to=int(options.get("pad_vocab_to", 64)),
+            cache=bool(options.get("trace_cache", True)),
+        )  # fmt: skip
         mode = options.get("mode", "auto")
         if mode not in ("auto", "inplace", "rebuild"):
             raise ValueError(f"mode={mode!r}: expected 'auto', 'inplace' or 'rebuild'")
