@@ -24,11 +24,14 @@ _WRAPPERS = (".routed_experts.", ".base_layer.")
 class EngineLayout:
     """A worker's layout: ``layout`` maps the worker's parameter names to boxes of the HF
     tensors; ``shapes`` gives each local tensor's checkpoint-format shape (elements);
-    ``sources`` the HF tensors each local tensor holds parts of."""
+    ``sources`` the HF tensors each local tensor holds parts of; ``derived``: the worker's
+    parameters no HF tensor writes (a trace found them; the model computes them), not in
+    ``layout``."""
 
     layout: Layout
     shapes: Mapping[str, tuple[int, ...]]
     sources: Mapping[str, tuple[str, ...]]
+    derived: tuple[str, ...] = ()
 
 
 def _canonical(name: str) -> str:
@@ -165,4 +168,4 @@ def worker_layout(
             "the traced layout does not fit the worker's parameters: "
             + "; ".join([*wrong[:5], *(f"{n} is not a parameter" for n in missing[:5])])
         )
-    return got.layout, got.derived
+    return dataclasses.replace(got.layout, derived=got.derived), got.derived

@@ -533,7 +533,11 @@ def _result(
     layout.bind(global_shapes)  # every box checked against the manifest's shapes
     shapes = {n: p.shape for n, p in parts.items()}
     return TraceResult(
-        EngineLayout(layout, shapes, layout.sources()), tuple(derived), padding, False, seconds
+        EngineLayout(layout, shapes, layout.sources(), tuple(derived)),
+        tuple(derived),
+        padding,
+        False,
+        seconds,
     )
 
 

@@ -114,7 +114,7 @@ def load_cached(
     except LayoutError:
         return None
     padding = {n: p.padding for n, p in parts.items() if p.padding}
-    el = EngineLayout(layout, have, layout.sources())
+    el = EngineLayout(layout, have, layout.sources(), derived)
     return TraceResult(el, derived, padding, True, time.perf_counter() - t0)
 
 

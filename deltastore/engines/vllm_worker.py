@@ -146,9 +146,13 @@ class Receiver:
                 tensors[name] = shadow
                 shadowed.append(name)
             elif tuple(p.shape) != el.shapes[name] or not p.data.is_contiguous():
+                why = (
+                    f"holds {list(p.shape)}, not its checkpoint shape {list(el.shapes[name])}"
+                    if tuple(p.shape) != el.shapes[name]
+                    else f"is not contiguous (strides {list(p.data.stride())})"
+                )
                 raise LayoutError(
-                    f"parameter {name} holds {list(p.shape)}, not its checkpoint shape "
-                    f"{list(el.shapes[name])}: vLLM repacked it; attach with mode='rebuild'"
+                    f"parameter {name} {why}: vLLM repacked it; attach with mode='rebuild'"
                 )
             else:
                 tensors[name] = p.data

@@ -3,9 +3,9 @@ instantiated on the meta device (no engine, no weights) at TP 1 or TP 2, one pro
 
     trace_probe.py ARCH... --tp N --workdir DIR
 
-For each architecture (a tiny config from ``tools.tiny_config``, written to ``DIR/ARCH``) and
-rank it prints, on the line that starts with ``tools.RESULT``: the checkpoint tensors (names
-and shapes of the HF model transformers builds from the config, on the meta device), the
+For each architecture (a tiny model of ``tools.tiny_config``, saved to ``DIR/ARCH``) and rank
+it prints, on the line that starts with ``tools.RESULT``: the checkpoint tensors (names and
+shapes in the saved safetensors: what a trainer publishes), the
 traced layout (per parameter its shape and boxes), the derived parameters, whether every
 parameter is traced or derived, the trace's time, and for the preset families whether the
 traced placements equal the preset's (``equal_preset``, with the first differences).
@@ -34,18 +34,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def hf_checkpoint_shapes(config: Any) -> dict[str, list[int]]:
-    """The tensors the HF model of ``config`` saves (names, shapes), built on the meta device:
-    what a trainer publishes (tied weights once)."""
-    import torch
-    import transformers as tf
+def checkpoint_shapes(folder: Path) -> dict[str, list[int]]:
+    """The tensors of the checkpoint in ``folder`` (names, shapes from the safetensors
+    headers): what a trainer that saves with transformers publishes (tied weights once)."""
+    from safetensors import safe_open
 
-    with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(config)
-    tied = set()
-    if getattr(config, "tie_word_embeddings", False):
-        tied.add("lm_head.weight")
-    return {n: list(t.shape) for n, t in model.state_dict().items() if n not in tied}
+    out: dict[str, list[int]] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for n in st.keys():  # noqa: SIM118 - safe_open has keys(), no __iter__
+                out[n] = list(st.get_slice(n).get_shape())
+    return out
 
 
 def _placements(layout: Any, shapes: dict[str, list[int]]) -> dict[str, list[list[Any]]]:
@@ -69,7 +68,7 @@ def _one(cfg: Any, model: Any, rank: int, world: int) -> dict[str, Any]:
     from deltastore.layout.presets import FAMILIES
 
     hf = cfg.model_config.hf_config
-    shapes = hf_checkpoint_shapes(hf)
+    shapes = checkpoint_shapes(Path(cfg.model_config.model))
     params = {n: list(m.shape) for n, m in checkpoint_meta(model).items()}
     t0 = time.perf_counter()
     got = trace_layout(model, shapes)
@@ -129,8 +128,9 @@ def _rank(rank: int, world: int, port: int, archs: list[str], workdir: str, q: A
 
 
 def run(archs: list[str], tp: int, workdir: Path) -> dict[str, Any]:
-    for arch in archs:  # a tiny config of each, written by the installed transformers
-        tools.tiny_config(arch).save_pretrained(workdir / arch)
+    for arch in archs:  # a tiny model of each, saved by the installed transformers
+        if not (workdir / arch / "config.json").exists():
+            tools.build_model(arch, workdir / arch)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
