@@ -125,9 +125,7 @@ class Receiver:
         self._shadows: dict[str, dict[str, torch.Tensor]] = {}  # module -> param -> shadow
         synced = {n: params[n] for n in el.layout.parts}
         # every module to refresh after a change, as vLLM's loader processes it (vllm_refresh)
-        self._consumers = find_consumers(
-            model, synced, derived=getattr(el, "derived", ()), rebuild=rebuild
-        )
+        self._consumers = find_consumers(model, synced, derived=el.derived, rebuild=rebuild)
         self._dtype = config.model_config.dtype
         shadowed: list[str] = []
         for name in el.layout.parts:

@@ -25,15 +25,15 @@ VERSIONS = [1, 2, 3, 4, 5]
 #: Architectures followed at TP 1; the LM head of those with ``+tied`` (and Gemma's) is the
 #: embedding.
 TP1 = [
-    "qwen3",
-    "qwen3+tied",
-    "llama+tied",
+    "deepseek_v2",
+    "gemma3_text",
     "phi3",
     "qwen2_moe",
     "olmoe",
     "gemma2",
-    "gemma3_text",
-    "deepseek_v2",
+    "llama+tied",
+    "qwen3+tied",
+    "qwen3",
 ]
 #: One dense tied model and one MoE (with a shared expert) at TP 2.
 TP2 = ["llama+tied", "qwen2_moe"]

@@ -92,13 +92,13 @@ def tiny_config(arch: str) -> Any:
             "Gemma3TextConfig", "Gemma3ForCausalLM",
             dict(intermediate_size=256, head_dim=32, sliding_window=64, **tokens),
         ),
-        # MLA: latent kv of rank 256 (vLLM's MLA backends take latent + rope dims of 320, 512
-        # or 576 only); layer 0 dense, layer 1 MoE with a shared expert
+        # MLA: latent kv of rank 512 + rope 64 (DeepSeek-V2's own: the only head size vLLM's
+        # CPU MLA decode kernel takes); layer 0 dense, layer 1 MoE with a shared expert
         "deepseek_v2": (
             "DeepseekV2Config", "DeepseekV2ForCausalLM",
             dict(intermediate_size=256, moe_intermediate_size=64, n_routed_experts=4,
                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-                 kv_lora_rank=256, q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=64,
+                 kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=64,
                  v_head_dim=32, head_dim=64, n_group=1, topk_group=1, **tokens),
         ),
     }  # fmt: skip
