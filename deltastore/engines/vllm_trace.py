@@ -225,6 +225,8 @@ def _passes(numel: int, bits: int) -> int:
 def _probe(shape: tuple[int, ...], shift: int, bits: int, complement: bool) -> torch.Tensor:
     """Bits ``[shift, shift + bits)`` of every element's global flat index (or their
     complement), as float64 (exact for bits <= 52)."""
+    if not shift and bits >= 52 and not complement:  # the index itself: exact in float64
+        return torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
     idx = torch.arange(math.prod(shape), dtype=torch.int64)
     if shift or bits < 62:
         idx = (idx >> shift) & ((1 << bits) - 1)

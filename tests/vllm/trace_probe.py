@@ -2,6 +2,7 @@
 instantiated on the meta device (no engine, no weights) at TP 1 or TP 2, one process per rank.
 
     trace_probe.py ARCH... --tp N --workdir DIR
+    trace_probe.py --bench tiny|qwen3-0.6b --workdir DIR     what a trace costs
 
 For each architecture (a tiny model of ``tools.tiny_config``, saved to ``DIR/ARCH``) and rank
 it prints, on the line that starts with ``tools.RESULT``: the checkpoint tensors (names and
@@ -146,13 +147,77 @@ def run(archs: list[str], tp: int, workdir: Path) -> dict[str, Any]:
     return {str(r): results[r] for r in sorted(results)}
 
 
+#: Qwen3-0.6B's shapes (its config.json), for the cost of a trace on a model that is not tiny.
+QWEN3_06B = dict(
+    vocab_size=151936, hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+    max_position_embeddings=40960, architectures=["Qwen3ForCausalLM"],
+)  # fmt: skip
+
+
+def bench(workdir: Path, name: str) -> dict[str, Any]:
+    """The cost of tracing (wall time, peak RSS growth) at TP 1, in this process: ``tiny``
+    (``tools.tiny_config("qwen3")``) or ``qwen3-0.6b`` (:data:`QWEN3_06B`, no weights: the
+    model on the meta device, the checkpoint shapes from the preset), each traced twice
+    (uncached) and then read from the cache."""
+    import resource
+
+    import torch
+    import transformers as tf
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    from deltastore.engines.vllm_trace_cache import cached_trace
+    from deltastore.layout.presets import ModelSpec, hf_shapes
+
+    config = tools.tiny_config("qwen3") if name == "tiny" else tf.Qwen3Config(**QWEN3_06B)
+    config.save_pretrained(workdir / name)
+    cfg = EngineArgs(
+        model=str(workdir / name), skip_tokenizer_init=True, dtype="bfloat16",
+        enforce_eager=True, max_model_len=256,
+    ).create_engine_config()  # fmt: skip
+    with set_current_vllm_config(cfg):
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+        )  # fmt: skip
+        initialize_model_parallel(tensor_model_parallel_size=1)
+        with torch.device("meta"):
+            model = initialize_model(vllm_config=cfg)
+    shapes = hf_shapes(ModelSpec.from_hf_config(cfg.model_config.hf_config.to_dict()))
+    # the RSS now (kB); the peak after the runs, less it, is what tracing added at most
+    status = Path("/proc/self/status").read_text().split("VmRSS:")[1]
+    rss0 = int(status.split()[0])
+    out: dict[str, Any] = {"elements": sum(int(torch.tensor(s).prod()) for s in shapes.values())}
+    for run_ in ("trace", "trace again", "cached"):
+        t0 = time.perf_counter()
+        got = cached_trace(model, shapes, {"bench": name}, cache=run_ == "cached",
+                           directory=workdir / "cache")  # fmt: skip
+        if run_ == "trace again":  # warm the cache for the next run
+            cached_trace(model, shapes, {"bench": name}, directory=workdir / "cache")
+        out[run_ + " s"] = round(time.perf_counter() - t0, 3)
+        out["cached"] = got.cached
+    out["peak rss growth MiB"] = round(
+        (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024, 1
+    )
+    out["parameters"] = len(got.layout.layout.parts)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("archs", nargs="+")
+    p.add_argument("archs", nargs="*")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--workdir", required=True)
+    p.add_argument("--bench", choices=["tiny", "qwen3-0.6b"])
     a = p.parse_args()
-    res = run(a.archs, a.tp, Path(a.workdir))
+    if a.bench:
+        os.environ["VLLM_DIST_IDENT"] = str(os.getpid())
+        res: Any = bench(Path(a.workdir), a.bench)
+    else:
+        res = run(a.archs, a.tp, Path(a.workdir))
     sys.stdout.write("\n" + tools.RESULT + json.dumps(res) + "\n")
     sys.stdout.flush()
 
