@@ -27,6 +27,7 @@ from deltastore.engines.vllm_refresh import (
 from deltastore.engines.worker_errors import error_to_dict
 from deltastore.errors import EngineSyncError, LayoutError
 from deltastore.layout.boxes import Layout
+from deltastore.sync.priority import DEFAULT_PRIORITY, check_priority, lower_current_thread
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -82,7 +83,7 @@ class Receiver:
 
         known = {
             "mode", "layout", "pad_vocab_to", "reader_id", "lease_ttl", "max_workers",
-            "max_inflight_bytes", "commit_timeout_s", "rebuild_on_attach",
+            "max_inflight_bytes", "commit_timeout_s", "rebuild_on_attach", "priority",
             "trace_cache",
         }  # fmt: skip
         unknown = sorted(set(options) - known)
@@ -189,6 +190,8 @@ class Receiver:
         for key in ("max_workers", "max_inflight_bytes"):
             if key in options:
                 common[key] = int(options[key])
+        # a background sync's thread (and the pool it starts) yields the cores to serving
+        self._priority = check_priority(options.get("priority", DEFAULT_PRIORITY))
         t0 = time.perf_counter()
         self.filled: dict[str, Any] | None = None
         if shadowed:  # the packed weights cannot be read back: fill the shadows from the store
@@ -308,6 +311,7 @@ class Receiver:
         self._result = None
 
         def work() -> None:
+            lower_current_thread(self._priority)  # a thread of its own: stays lowered
             self._result = self.run(version)
 
         self._thread = threading.Thread(target=work, name="deltastore-sync", daemon=True)

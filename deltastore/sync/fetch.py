@@ -21,6 +21,7 @@ from deltastore.format.codecs import FrameDecoder
 from deltastore.format.manifest import Frame, Manifest, TensorEntry
 from deltastore.progress import ProgressFn, Ticker
 from deltastore.store import Store
+from deltastore.sync.priority import Priority, check_priority, lower_current_thread
 
 #: Most stored bytes fetched by one ranged read of adjacent frames.
 MAX_SPAN = 32 << 20
@@ -119,11 +120,23 @@ class Fetcher:
     """Fetches stored frames (checked against their length and xxh3) and runs per-frame work
     on ``max_workers`` threads with at most ``max_inflight`` stored bytes in flight.
 
-    Each worker thread has its own :class:`FrameDecoder`. ``run`` is called by one thread.
+    Each worker thread has its own :class:`FrameDecoder`. The worker threads start at the
+    priority of the thread that calls :meth:`run` (Linux threads inherit nice and policy from
+    the thread that makes them) and are lowered to ``priority`` when it is lower
+    (:mod:`deltastore.sync.priority`: a nice value 1-19 or ``"idle"``; 0: as the caller), so
+    that a sync beside a serving engine takes the cores the engine leaves idle.
+    ``run`` is called by one thread.
     """
 
-    def __init__(self, store: Store, max_workers: int, max_inflight: int) -> None:
+    def __init__(
+        self,
+        store: Store,
+        max_workers: int,
+        max_inflight: int,
+        priority: Priority = 0,
+    ) -> None:
         self.store, self._workers, self._max_inflight = store, max_workers, max_inflight
+        self.priority = check_priority(priority)
         self._local = threading.local()
 
     def _decoder(self) -> FrameDecoder:
@@ -241,7 +254,12 @@ class Fetcher:
                 jobs.append(pool.submit(batch_job, part, span, left))
 
         reads: list[Future[None]] = []
-        with ThreadPoolExecutor(self._workers, thread_name_prefix="deltastore-sync") as pool:
+        with ThreadPoolExecutor(
+            self._workers,
+            thread_name_prefix="deltastore-sync",
+            initializer=lower_current_thread,
+            initargs=(self.priority,),
+        ) as pool:
             for group in self._groups(tasks):
                 if failed.is_set():
                     break

@@ -50,6 +50,7 @@ from deltastore.sync.apply import Hooks, Sums, frame_totals, verify_tensors, wri
 from deltastore.sync.fetch import Fetcher, FrameTask, Timer, frame_tasks
 from deltastore.sync.group import Group
 from deltastore.sync.lease import DEFAULT_LEASE_TTL_S, LeaseKeeper
+from deltastore.sync.priority import Priority, check_priority
 from deltastore.sync.ranks import LayoutSync
 from deltastore.sync.stage import Staged, check_frames, stage_frame
 from deltastore.tensors.dtypes import dtype_from_name, dtype_name, flat_words
@@ -149,6 +150,10 @@ class Subscriber(Generic[TensorT]):
     that ``gc --keep`` does not delete them; ``lease_ttl=None`` writes no lease. With a group,
     only rank 0 writes it. A lease that cannot be written is logged and changes nothing else.
     Default id: ``<host>-<pid>-<random>``; :meth:`close` removes the lease.
+
+    ``priority``: the CPU priority of the worker threads that fetch, decode and stage
+    (:mod:`deltastore.sync.priority`: a nice value 1-19 or ``"idle"``; default 0: the
+    priority of the thread calling :meth:`sync`, which keeps its own).
     """
 
     def __init__(
@@ -169,6 +174,7 @@ class Subscriber(Generic[TensorT]):
         signing_key: KeyOption = FROM_ENV,
         reader_id: str | None = None,
         lease_ttl: float | None = DEFAULT_LEASE_TTL_S,
+        priority: Priority = 0,
     ) -> None:
         if version is not None and tensors is None:
             raise ValueError("version= needs tensors=: the tensors that are at that version")
@@ -186,7 +192,7 @@ class Subscriber(Generic[TensorT]):
         # where tensors allocated here go; the default needs no torch until they are
         self._device: str | torch.device = "cpu" if device == "cpu" else _torch_device(device)
         self._max_frame_bytes = max_frame_bytes
-        self._frames = Fetcher(self._io, max_workers, max_inflight_bytes)
+        self._frames = Fetcher(self._io, max_workers, max_inflight_bytes, check_priority(priority))
         self._group = Group(group)
         self._lease = LeaseKeeper(self._io, reader_id, lease_ttl if self._group.rank == 0 else None)
         self._hooks = Hooks(pause, resume)
