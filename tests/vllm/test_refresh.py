@@ -123,3 +123,58 @@ def test_a_derived_parameter_nothing_computes_is_refused() -> None:
     model.norm.register_parameter("extra", nn.Parameter(torch.zeros(2)))
     with pytest.raises(LayoutError, match=r"norm\.extra has no checkpoint tensor.*norm"):
         find_consumers(model, synced(model), derived=["attn.W_UV", "norm.extra"], rebuild=True)
+
+
+def receiver(model: nn.Module) -> Any:
+    """A worker's Receiver over ``model``'s consumers, without an engine (its refresh state
+    only; HF tensor ``hf.<name>`` is the source of the worker's parameter ``<name>``)."""
+    from deltastore.engines.vllm_refresh import modules_of_sources
+    from deltastore.engines.vllm_worker import Receiver
+
+    r = Receiver.__new__(Receiver)
+    r._consumers = find_consumers(model, synced(model), derived=["attn.W_UV"], rebuild=True)
+    r._modules_of = modules_of_sources(r._consumers, {n: (f"hf.{n}",) for n in synced(model)})
+    r._shadows, r._dtype, r._pending = {}, torch.float32, set()
+    r._refreshed, r._rebuilt, r._rebuild_s = [], 0, 0.0
+    return r
+
+
+def version(changed: list[str], kind: str = "delta") -> Any:
+    from types import SimpleNamespace
+
+    tensors = {f"hf.{n}": SimpleNamespace(changed=1) for n in changed}
+    tensors["hf.norm.weight"] = SimpleNamespace(changed=0)
+    return SimpleNamespace(kind=kind, tensors=tensors)
+
+
+def test_a_version_refreshes_the_consumers_of_what_it_changed() -> None:
+    model = Model()
+    r = receiver(model)
+    r._on_version(version(["embed.weight", "kv_b_proj.weight"]))
+    assert r._refreshed == ["embed", "head", "kv_b_proj", "attn"] and r._pending == set()
+    r._refreshed = []
+    r._on_version(version([]))  # only a norm changed: written in place, nothing to refresh
+    assert r._refreshed == []
+    r._on_version(version([], kind="anchor"))  # an anchor rewrites everything
+    assert sorted(r._refreshed) == sorted(r._consumers)
+
+
+def test_a_failed_refresh_is_a_typed_error_and_stays_pending() -> None:
+    from deltastore.errors import EngineSyncError
+
+    model = Model()
+    r = receiver(model)
+    method = model.kv_b_proj.quant_method
+
+    def broken(layer: nn.Module) -> None:
+        raise RuntimeError("no memory to repack")
+
+    method.process_weights_after_loading = broken
+    with pytest.raises(EngineSyncError, match=r"refreshing kv_b_proj \(quant\).*no memory"):
+        r._on_version(version(["kv_b_proj.weight"]))
+    # neither it nor the attention layer that reads it (refreshed after it) was refreshed
+    assert r._pending == {"kv_b_proj", "attn"}
+    del method.process_weights_after_loading  # the class's own again
+    r._rebuild_pending()  # the next sync refreshes them first
+    assert r._pending == set() and r._refreshed == ["kv_b_proj", "attn"]
+    assert torch.equal(model.attn.W_UV, model.kv_b_proj.weight.T)
