@@ -161,7 +161,11 @@ def test_a_loader_that_casts_is_decoded_by_passes_of_index_bits() -> None:
     def cat(param: torch.Tensor, w: torch.Tensor) -> None:  # computed, but values unchanged
         param.data.copy_(torch.cat([w[:, :4], w[:, 4:]], dim=1))
 
-    got = trace_layout(Tiny(loader_of={"norm": cast, "o": cat}), GLOBAL)
+    def to_device(param: torch.Tensor, w: torch.Tensor, shard_id: str) -> None:
+        Tiny._qkv(model, param, w.to(param.device), shard_id)  # the meta device while tracing
+
+    model = Tiny(loader_of={"norm": cast, "o": cat, "qkv": to_device})
+    got = trace_layout(model, GLOBAL)
     assert placements(got.layout.layout) == placements(preset(0, 1))
 
 
@@ -259,3 +263,46 @@ def test_the_cache_round_trips_and_refuses_a_model_that_changed(tmp_path: Path) 
     assert load_cached({**key, "tp_rank": 1}, shapes, GLOBAL, tmp_path) is None
     path.write_text("{not json")
     assert load_cached(key, shapes, GLOBAL, tmp_path) is None
+
+
+class _HF:
+    model_type = "tiny"
+    architectures = ("TinyForCausalLM",)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model_type": self.model_type, "architectures": list(self.architectures)}
+
+
+def _vllm_config() -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=_HF(), dtype=torch.float32, quantization=None)
+    )
+
+
+def test_attach_traces_against_the_stores_manifest_and_caches_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deltastore import Publisher
+    from deltastore.engines.vllm_layout import worker_layout
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    store = tmp_path / "store"
+    Publisher(str(store)).publish({n: torch.randn(s) for n, s in GLOBAL.items()}, version=0)
+    model = Tiny(1, 2)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    args = dict(url=str(store), version=0, storage_options=None, tp_rank=1, tp_size=2)
+    el, derived = worker_layout(None, model, _vllm_config(), shapes, **args)  # type: ignore[arg-type]
+    assert placements(el.layout) == placements(preset(1, 2))
+    assert derived == el.derived == ("derived",)
+    files = list((tmp_path / "cache" / "deltastore" / "vllm-layouts").glob("*.json"))
+    assert len(files) == 1
+    again, _ = worker_layout("trace", model, _vllm_config(), shapes, **args)  # type: ignore[arg-type]
+    assert placements(again.layout) == placements(el.layout)
+    # another rank of the same model has a file of its own
+    other = {**args, "tp_rank": 0}
+    worker_layout(None, Tiny(0, 2), _vllm_config(), shapes, **other)  # type: ignore[arg-type]
+    assert len(list(files[0].parent.glob("*.json"))) == 2
+    with pytest.raises(LayoutError, match=r"expected 'package\.module:function'"):
+        worker_layout("nonsense", model, _vllm_config(), shapes, **args)  # type: ignore[arg-type]

@@ -166,6 +166,13 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if (
+            func is torch.ops.aten._to_copy.default
+            and str(kwargs.get("device")) == "meta"
+            and isinstance(args[0], torch.Tensor)
+            and not args[0].is_meta
+        ):  # a loader moving the checkpoint tensor to the parameter's device: keep its values
+            kwargs = {k: v for k, v in kwargs.items() if k != "device"}
         if func is torch.ops.aten.copy_.default:
             name = self._target(args[0])
             if name is not None:
