@@ -212,3 +212,20 @@ def test_subscriber_rejects_a_priority_out_of_bounds(tmp_path: Path, bad: object
     chain(tmp_path)
     with pytest.raises(ValueError, match="priority="):
         Subscriber(tmp_path, priority=bad, lease_ttl=None)  # type: ignore[arg-type]
+
+
+@linux
+def test_engine_gate_gives_the_priority_back_for_the_write_phase() -> None:
+    from deltastore.engines.vllm_worker import _Gate
+
+    gate = _Gate()
+    gate.armed = True
+    gate.go.set()  # the driver committed: generation is paused
+
+    def body() -> tuple[object, object]:
+        gate.priority = lower_current_thread("idle")
+        lowered_to = thread_priority()
+        gate.pause()  # the write phase starts
+        return lowered_to, thread_priority()
+
+    assert in_thread(body) == ("idle", thread_priority())

@@ -33,7 +33,11 @@ function ``(shapes, hf_config, tp_rank, tp_size) -> Layout`` importable on the w
 
 A failed sync (a corrupted frame, a wrong parent, a store error) writes nothing, or rolls back
 what it wrote: the engine keeps serving the version it had, and every worker's result carries
-the typed error (``{"error": {"type": "IntegrityError", "message": ...}}``).
+the typed error (``{"error": {"type": "IntegrityError", "message": ...}}``). No worker method
+raises into vLLM's RPC layer, and the ranks agree before every step that needs them all, so a
+failure on one rank neither leaves a reply queued for the next call nor strands the other
+ranks in a collective; the driver raises the failed rank's own error type (docs/engines.md,
+"Failure behaviour").
 
 Thread-safety: the driver helpers are called from one thread per engine; on the workers, one
 sync runs at a time.

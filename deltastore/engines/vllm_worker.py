@@ -27,7 +27,13 @@ from deltastore.engines.vllm_refresh import (
 from deltastore.engines.worker_errors import error_to_dict
 from deltastore.errors import EngineSyncError, LayoutError
 from deltastore.layout.boxes import Layout
-from deltastore.sync.priority import DEFAULT_PRIORITY, check_priority, lower_current_thread
+from deltastore.sync.priority import (
+    DEFAULT_PRIORITY,
+    Priority,
+    check_priority,
+    lower_current_thread,
+    restore_current_thread,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -49,6 +55,7 @@ class _Gate:
         self.ready = threading.Event()
         self.go = threading.Event()
         self.timeout_s = 600.0
+        self.priority: Priority = 0  # the sync thread's own, given back for the write phase
 
     def pause(self) -> None:
         if not self.armed:
@@ -59,6 +66,7 @@ class _Gate:
                 f"no commit within {self.timeout_s:.0f} s of the sync being ready; nothing was "
                 "written (call deltastore_commit after deltastore_prepare)"
             )
+        restore_current_thread(self.priority)  # generation is paused: write at full speed
 
 
 class Receiver:
@@ -311,7 +319,7 @@ class Receiver:
         self._result = None
 
         def work() -> None:
-            lower_current_thread(self._priority)  # a thread of its own: stays lowered
+            self._gate.priority = lower_current_thread(self._priority)
             self._result = self.run(version)
 
         self._thread = threading.Thread(target=work, name="deltastore-sync", daemon=True)
