@@ -99,14 +99,15 @@ def tiny_config(arch: str) -> Any:
             dict(intermediate_size=256, moe_intermediate_size=64, n_routed_experts=4,
                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                  kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=64,
-                 v_head_dim=32, head_dim=64, n_group=1, topk_group=1, **tokens),
+                 v_head_dim=32, head_dim=64, n_group=1, topk_group=1, **tokens,
+                 num_key_value_heads=4),  # MLA has no grouped kv heads
         ),
     }  # fmt: skip
     if arch not in table:
         raise ValueError(arch)
     cls, vllm_cls, own = table[arch]
     # vLLM picks its model class by the config's architectures
-    return getattr(tf, cls)(architectures=[vllm_cls], **common, **own)
+    return getattr(tf, cls)(architectures=[vllm_cls], **{**common, **own})
 
 
 def build_model(arch: str, dest: Path, seed: int = 0) -> Path:
