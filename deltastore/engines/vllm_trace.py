@@ -429,7 +429,11 @@ def _trace_one(
     state: _State,
 ) -> None:
     numel = math.prod(shape)
-    probe = _probe(shape, 0, 62, False)  # float64 holds the index exactly below 2**53
+    # The first run reads the index from the geometry of each copy's source (a view of the
+    # probe: its offset and strides), not from values: the probe is left uninitialized (no
+    # page touched, no time spent). Sources the loader computed are read from the values of
+    # the runs below.
+    probe = torch.empty(shape, dtype=torch.float64)
     rec = _run(loader, name, probe, swapped, live)
     pid = _storage_id(probe)
     computed = [
