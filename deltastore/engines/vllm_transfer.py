@@ -36,7 +36,7 @@ verify with the other ranks, write in vLLM's coordinates, rebuild repacked modul
 the store lacks, a store error) writes nothing or rolls back what it wrote: the engine keeps
 serving the version it had, and the call raises: the deltastore error type where the worker
 runs in the caller's process, else vLLM's ``Exception`` (HTTP: status 500) whose message holds
-``deltastore update to version V failed on rank R: <type>...``. A failed ``update_weights``
+``deltastore update to version V failed on rank R (<type>): ...``. A failed ``update_weights``
 ends vLLM's update session on that worker: the next update starts with
 ``start_weight_update``. The ranks agree on the outcome first and only the last rank raises,
 so vLLM reads every rank's reply (it stops at the first failed one and would leave the others
