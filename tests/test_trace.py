@@ -197,6 +197,16 @@ def test_in_place_transforms_and_writes_into_buffers_are_refused() -> None:
         param.data.copy_(w)
         param.data.copy_(param.data * 2)
 
+    def assign(param: torch.Tensor, w: torch.Tensor) -> None:  # not a copy: refused
+        param.data = w.clone()
+
+    def assign_meta(param: torch.Tensor, w: torch.Tensor) -> None:
+        param.data = torch.empty_like(param.data)
+
+    with pytest.raises(LayoutError, match=r"norm\.weight.*set_data"):
+        trace_layout(Tiny(loader_of={"norm": assign}), GLOBAL)
+    with pytest.raises(LayoutError, match=r"norm\.weight.*replaced the parameter's data"):
+        trace_layout(Tiny(loader_of={"norm": assign_meta}), GLOBAL)
     with pytest.raises(LayoutError, match=r"norm\.weight.*add_"):
         trace_layout(Tiny(loader_of={"norm": one_plus}), GLOBAL)
     with pytest.raises(LayoutError, match=r"norm\.weight.*computed from the parameter"):

@@ -403,6 +403,7 @@ def _run(
     probe: torch.Tensor,
     swapped: Mapping[int, str],
     live: set[int],
+    metas: Mapping[str, torch.Tensor],
 ) -> _Recorder:
     rec = _Recorder(swapped, live)
     try:
@@ -416,6 +417,13 @@ def _run(
             f"({type(exc).__name__}: {exc}); pass layout='package.module:function' or "
             "layout='preset'"
         ) from exc
+    for sid, pname in swapped.items():  # a loader that assigns param.data is not a copy
+        m = metas[pname]
+        if not m.is_meta or _storage_id(m) != sid:
+            raise LayoutError(
+                f"parameter {pname}, checkpoint tensor {name}: cannot be traced: the loader "
+                "replaced the parameter's data (param.data = ...) instead of copying into it"
+            )
     return rec
 
 
@@ -434,7 +442,7 @@ def _trace_one(
     # page touched, no time spent). Sources the loader computed are read from the values of
     # the runs below.
     probe = torch.empty(shape, dtype=torch.float64)
-    rec = _run(loader, name, probe, swapped, live)
+    rec = _run(loader, name, probe, swapped, live, sw.meta)
     pid = _storage_id(probe)
     computed = [
         c for c in rec.copies if _storage_id(c.source) != pid or c.source.dtype != probe.dtype
@@ -446,7 +454,14 @@ def _trace_one(
         for complement in (False, True):
             for k in range(_passes(numel, bits)):
                 runs.append(
-                    _run(loader, name, _probe(shape, k * bits, bits, complement), swapped, live)
+                    _run(
+                        loader,
+                        name,
+                        _probe(shape, k * bits, bits, complement),
+                        swapped,
+                        live,
+                        sw.meta,
+                    )
                 )
         n = _passes(numel, bits)
         for i, c in enumerate(rec.copies):
