@@ -56,7 +56,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from deltastore.engines.worker_errors import error_from_dict, error_to_dict
+from deltastore.engines.worker_errors import agree, error_from_dict, error_to_dict
 from deltastore.errors import EngineSyncError
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ class _Backend:
     _receiver: Receiver | None = None
     _store: tuple[str, str] | None = None  # (url, storage options as JSON) bound to
     _held: int | None = None  # the version the parameters are at (once bound)
-    _group: Group | None = None  # the TP ranks' group, to agree on each update's outcome
+    _group: Group | None = None  # the TP ranks' group, to agree on each step's outcome
 
     #: the last update's result on this worker (:meth:`Receiver.run`'s dict)
     last: dict[str, Any] | None = None
@@ -282,7 +282,22 @@ class _Backend:
                 "`deltastore pull`); pass from_version in update_info or version in init_info"
             )
         worker = _WorkerView(self.vllm_config, self.model)
-        rec = Receiver(worker, url, version, storage_options, dict(options or {}))
+        group, stage = self._ranks(), "local"
+
+        def before_collectives() -> None:  # a rank that failed its local checks stops all
+            nonlocal stage
+            stage = "agreeing"
+            agree(group, None)
+            stage = "bound"
+
+        try:
+            rec = Receiver(
+                worker, url, version, storage_options, dict(options or {}), before_collectives
+            )
+        except Exception as exc:
+            if stage == "local":  # the others wait in the agreement: tell them
+                agree(group, error_to_dict(exc))
+            raise
         self.shutdown()  # the previous binding, if any: its lease
         self._receiver, self._store, self._held = rec, key, rec.sub.version
         log.info("deltastore: bound to %s at version %d", url, version)
@@ -292,17 +307,14 @@ class _Backend:
         return folder_version(str(self.model_config.model))
 
     def _ranks(self) -> Group:
-        """The TP ranks' own gloo group (vLLM's groups carry its collectives), made at the
-        first call (all ranks make it together)."""
+        """The group the TP ranks agree over: vLLM's TP CPU group (a group of one at TP 1)."""
         if self._group is None:
-            import torch.distributed as dist
             from vllm.distributed import parallel_state as ps
 
             from deltastore.sync.group import Group
 
-            size = ps.get_tensor_model_parallel_world_size()
-            pg = dist.new_group(ranks=list(range(size)), backend="gloo") if size > 1 else None
-            self._group = Group(pg)
+            tp = ps.get_tp_group()
+            self._group = Group(tp.cpu_group) if tp.world_size > 1 else Group(None)
         return self._group
 
 
@@ -318,7 +330,8 @@ def _raise_agreed(group: Group, error: Mapping[str, Any] | None, what: str) -> N
     failed = [(rank, json.loads(b)) for rank, b in enumerate(got) if b]
     if not failed or group.rank != group.world - 1:
         return
-    rank, err = failed[0]
+    # the rank that failed, not one that stopped because of it (RankError)
+    rank, err = next(((r, e) for r, e in failed if e.get("type") != "RankError"), failed[0])
     raise error_from_dict(err, prefix=f"{what} failed on rank {rank} ({err.get('type')}): ")
 
 
