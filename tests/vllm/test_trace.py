@@ -33,13 +33,19 @@ def trace(archs: list[str], tp: int, workdir: Path) -> dict[str, Any]:
     return out
 
 
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder of tiny saved models for the tests of this module (built once)."""
+    return tmp_path_factory.mktemp("traced")
+
+
 @pytest.mark.parametrize("tp", [1, 2])
-def test_traced_layouts_equal_the_presets(tp: int, tmp_path: Path) -> None:
+def test_traced_layouts_equal_the_presets(tp: int, models: Path) -> None:
     """Every rank's traced layout places the same boxes of the same checkpoint tensors in the
     same parameters as the preset, for each preset family (the vocabulary padded to 1024
     rows, the LM head tied in one llama)."""
     archs = [*PRESET_ARCHS, "qwen3_moe" + tools.ODD_VOCAB, "llama" + tools.TIED]
-    out = trace(archs, tp, tmp_path)
+    out = trace(archs, tp, models)
     for rank, per_arch in out.items():
         for arch in archs:
             got = per_arch[arch]
@@ -59,10 +65,10 @@ def test_traced_layouts_equal_the_presets(tp: int, tmp_path: Path) -> None:
 
 
 @pytest.mark.full
-def test_architectures_without_a_preset_are_traced_completely(tmp_path: Path) -> None:
+def test_architectures_without_a_preset_are_traced_completely(models: Path) -> None:
     """Phi-3 (whose checkpoint already fuses q/k/v and gate/up) and Gemma2 have no preset: the
     trace maps every parameter, and the layout binds to the checkpoint's tensors."""
-    out = trace(OTHER_ARCHS, 1, tmp_path)
+    out = trace(OTHER_ARCHS, 1, models)
     for arch in OTHER_ARCHS:
         got = out["0"][arch]
         assert "error" not in got, f"{arch}: {got.get('error')}"
