@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -64,8 +65,7 @@ class TraceResult:
 
 
 class _Refused(Exception):
-    """A write the trace cannot describe (raised inside ``load_weights``; becomes a
-    :class:`LayoutError` that names the checkpoint tensor)."""
+    """A write the trace cannot describe (becomes a LayoutError naming the checkpoint tensor)."""
 
 
 @dataclass
@@ -79,8 +79,7 @@ class _Copy:
 
 @dataclass
 class _Swap:
-    """The model's parameters swapped for meta tensors: name -> meta tensor, and how to put
-    the live ones back."""
+    """The model's parameters swapped for meta tensors (name -> meta), and the live ones."""
 
     meta: dict[str, torch.Tensor] = field(default_factory=dict)
     saved: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
@@ -226,7 +225,7 @@ def _exact_bits(dtype: torch.dtype) -> int:
 
 
 def _passes(numel: int, bits: int) -> int:
-    return max(1, math.ceil(max(numel - 1, 1).bit_length() / bits))
+    return max(1, math.ceil(max(numel - 1, 1).bit_length() / bits))  # passes of ``bits`` each
 
 
 def _probe(shape: tuple[int, ...], shift: int, bits: int, complement: bool) -> torch.Tensor:
@@ -243,19 +242,11 @@ def _probe(shape: tuple[int, ...], shift: int, bits: int, complement: bool) -> t
 
 
 def _unravel(flat: int, shape: Sequence[int]) -> list[int]:
-    out = []
-    for n in reversed(shape):
-        flat, c = divmod(flat, max(int(n), 1))
-        out.append(c)
-    return out[::-1]
+    return [int(c) for c in np.unravel_index(flat, [max(int(n), 1) for n in shape])]
 
 
-def _c_strides(shape: Sequence[int]) -> list[int]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= int(n)
-    return out[::-1]
+def _c_strides(shape: Sequence[int]) -> list[int]:  # C-order strides, in elements
+    return list(torch.empty([int(n) for n in shape], device="meta").stride())
 
 
 def _box(
