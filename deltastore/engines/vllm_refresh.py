@@ -50,6 +50,9 @@ class Consumer:
     module: Any
     kind: str
     inputs: set[str] = dataclasses.field(default_factory=set)
+    #: parameter name -> the tensor the last refresh gave the module, where its kernel kept it
+    #: as its weight (the next refresh copies into it instead of allocating another)
+    kept: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
@@ -127,6 +130,19 @@ def find_consumers(
     return found
 
 
+def _same(given: Any, held: Any, shadow: torch.Tensor) -> bool:
+    """Whether the module still holds ``given`` itself as a tensor of ``shadow``'s layout (its
+    kernel kept the weight it was given rather than packing a copy)."""
+    return (
+        given is not None
+        and held is not None
+        and held.data_ptr() == given.data_ptr()
+        and held.shape == shadow.shape
+        and held.dtype == shadow.dtype
+        and held.is_contiguous()
+    )
+
+
 def refresh_order(names: Iterable[str], consumers: Mapping[str, Consumer]) -> list[str]:
     """``names`` in vLLM's order of post-load processing: quantize-method modules, then
     attention-like layers, then the model hook; by name within a kind."""
@@ -141,15 +157,24 @@ def refresh(
 ) -> None:
     """Refresh one consumer as vLLM's loader processes it: a quantize-method module gets fresh
     parameters from its checkpoint-format ``shadows`` (parameter name -> tensor; a copy each,
-    since a kernel may keep or repack what it is given) and its quant method's
+    since a kernel may keep or repack what it is given: where it kept the previous copy as
+    its weight, that copy is refilled in place, no allocation) and its quant method's
     ``process_weights_after_loading``; an attention-like layer its own
     ``process_weights_after_loading(dtype)``; the model its hook."""
     import torch
 
     mod = consumer.module
     if consumer.kind == "quant":
+        given: dict[str, torch.Tensor] = {}
         for pname, shadow in shadows.items():
-            setattr(mod, pname, torch.nn.Parameter(shadow.clone(), requires_grad=False))
+            kept = consumer.kept.get(pname)
+            held = getattr(mod, pname, None)
+            if kept is not None and _same(kept, held, shadow):
+                kept.copy_(shadow)  # the kernel serves from this tensor: refill it in place
+                given[pname] = kept
+            else:
+                given[pname] = shadow.clone()
+            setattr(mod, pname, torch.nn.Parameter(given[pname], requires_grad=False))
         method: Any = mod.quant_method
         if getattr(method, "moe_kernel", None) is not None:
             method.moe_kernel = None  # MoE: the first-load path prepacks the experts again
@@ -158,6 +183,9 @@ def refresh(
         method.process_weights_after_loading(mod)
         if hasattr(mod, "update_param_tp_status"):
             mod.update_param_tp_status()
+        consumer.kept = {
+            p: t for p, t in given.items() if _same(t, getattr(mod, p, None), shadows[p])
+        }
     elif consumer.kind == "attention":
         mod.process_weights_after_loading(dtype)
     else:

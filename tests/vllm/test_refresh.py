@@ -178,3 +178,34 @@ def test_a_failed_refresh_is_a_typed_error_and_stays_pending() -> None:
     r._rebuild_pending()  # the next sync refreshes them first
     assert r._pending == set() and r._refreshed == ["kv_b_proj", "attn"]
     assert torch.equal(model.attn.W_UV, model.kv_b_proj.weight.T)
+
+
+class Replacing(Packing):
+    """A quant method that packs the weight and leaves an empty parameter (vLLM's CPU GEMM)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        layer.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+@pytest.mark.parametrize("method", [Packing, Replacing])
+def test_a_kept_weight_is_refilled_in_place_and_a_packed_one_is_not(method: type) -> None:
+    """Where the kernel kept the tensor the last refresh gave it, the next refresh copies the
+    new shadow into that tensor (no allocation); where it packed a copy, a fresh copy."""
+    model = Model()
+    model.kv_b_proj.quant_method = method()
+    found = find_consumers(model, synced(model), derived=["attn.W_UV"], rebuild=True)
+    c = found["kv_b_proj"]
+    ptrs = []
+    for _ in range(3):
+        shadow = torch.randn(4, 3)
+        refresh("kv_b_proj", c, {"weight": shadow}, torch.float32)
+        assert torch.equal(model.kv_b_proj.packed, shadow)  # the kernel sees the new version
+        if method is Packing:
+            assert torch.equal(model.kv_b_proj.weight, shadow)
+            assert model.kv_b_proj.weight.data_ptr() != shadow.data_ptr()
+            ptrs.append(model.kv_b_proj.weight.data_ptr())
+        else:
+            assert model.kv_b_proj.weight.numel() == 0 and not c.kept
+    if method is Packing:
+        assert len(set(ptrs)) == 1, "the kept weight was not reused"
