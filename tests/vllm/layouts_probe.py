@@ -11,18 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import tools
-import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, world: int, port: int, archs: list[str], workdir: str, q: Any) -> None:
@@ -72,16 +64,4 @@ def _rank(rank: int, world: int, port: int, archs: list[str], workdir: str, q: A
 def run(archs: list[str], tp: int, workdir: Path) -> dict[str, Any]:
     for arch in archs:  # a tiny config of each, written by the installed transformers
         tools.tiny_config(arch).save_pretrained(workdir / arch)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank, args=(r, tp, port, archs, str(workdir), q)) for r in range(tp)
-    ]
-    for p in procs:
-        p.start()
-    results = dict(q.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(60)
-    return {str(r): results[r] for r in sorted(results)}
+    return tools.run_ranks(_rank, tp, archs, workdir)

@@ -14,7 +14,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -90,18 +89,11 @@ def test_offline_llm_follows_versions_through_vllms_update_calls(
 # --- over HTTP: vllm serve --------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 class Server:
     """``vllm serve`` on 127.0.0.1 (dev mode: the weight-update routes), and a tiny client."""
 
     def __init__(self, folder: Path, log: Path) -> None:
-        self.port = free_port()
+        self.port = tools.free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = tools.engine_env(1, multiprocess=True)
         env["VLLM_SERVER_DEV_MODE"] = "1"

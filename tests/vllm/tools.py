@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -173,6 +174,34 @@ def pull_folders(store: Path, model_dir: Path, dest: Path, versions: list[int]) 
                 shutil.copy(model_dir / name, folder / name)
         out[v] = folder
     return out
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(target: Any, tp: int, archs: list[str], workdir: Path) -> dict[str, Any]:
+    """Run ``target(rank, tp, port, archs, workdir, queue)`` in a spawned process per TP rank
+    (``port``: a free one for their process group); each puts ``(rank, result)`` on the queue.
+    Results by rank (as strings)."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=target, args=(r, tp, port, archs, str(workdir), q)) for r in range(tp)
+    ]
+    for p in procs:
+        p.start()
+    results = dict(q.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(60)
+    return {str(r): results[r] for r in sorted(results)}
 
 
 def engine_env(tp: int, multiprocess: bool) -> dict[str, str]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -26,13 +25,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tools
-import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def checkpoint_shapes(folder: Path) -> dict[str, list[int]]:
@@ -132,19 +124,7 @@ def run(archs: list[str], tp: int, workdir: Path) -> dict[str, Any]:
     for arch in archs:  # a tiny model of each, saved by the installed transformers
         if not (workdir / arch / "config.json").exists():
             tools.build_model(arch, workdir / arch)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank, args=(r, tp, port, archs, str(workdir), q)) for r in range(tp)
-    ]
-    for p in procs:
-        p.start()
-    results = dict(q.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(60)
-    return {str(r): results[r] for r in sorted(results)}
+    return tools.run_ranks(_rank, tp, archs, workdir)
 
 
 #: Qwen3-0.6B's shapes (its config.json), for the cost of a trace on a model that is not tiny.
@@ -181,7 +161,7 @@ def bench(workdir: Path, name: str) -> dict[str, Any]:
     with set_current_vllm_config(cfg):
         init_distributed_environment(
             world_size=1, rank=0, local_rank=0, backend="gloo",
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            distributed_init_method=f"tcp://127.0.0.1:{tools.free_port()}",
         )  # fmt: skip
         initialize_model_parallel(tensor_model_parallel_size=1)
         with torch.device("meta"):
