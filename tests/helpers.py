@@ -7,7 +7,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,3 +52,30 @@ def folder_bytes(dest: Path) -> dict[str, bytes]:
             fh.seek(loc.start)
             out[name] = fh.read(loc.stop - loc.start)
     return out
+
+
+class ThreadRanks:
+    """``world`` ranks, a thread each, whose ``all_gather_bytes`` is real (the ranks wait for
+    each other, at most 30 s): the collective of ``worker_errors.agree`` without torch."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.slots = [b""] * world
+        self.gather = threading.Barrier(world, timeout=30)
+
+    def view(self, rank: int) -> Any:
+        """Rank ``rank``'s group: ``rank`` and ``all_gather_bytes(data) -> [data of each rank]``."""
+        ranks = self
+
+        class View:
+            def __init__(self) -> None:
+                self.rank = rank
+
+            def all_gather_bytes(self, data: bytes) -> list[bytes]:
+                ranks.slots[rank] = data
+                ranks.gather.wait()
+                out = list(ranks.slots)
+                ranks.gather.wait()
+                return out
+
+        return View()

@@ -23,6 +23,7 @@ import pytest
 from deltastore.engines.vllm import derive_layout
 from deltastore.engines.worker_errors import error_to_dict
 from deltastore.errors import EngineSyncError, IntegrityError, LayoutError, RankError
+from tests.helpers import ThreadRanks
 
 FIXTURE = json.loads((Path(__file__).parent / "engines_vllm_layouts.json").read_text())
 MODELS: dict[str, Any] = FIXTURE["models"]
@@ -115,33 +116,15 @@ def test_the_adapter_imports_no_vllm() -> None:
 # --- errors never desynchronize the engine (a fake engine; the real one: tests/vllm) ----------
 
 
-class _Ranks:
+class _Ranks(ThreadRanks):
     """What the ranks of the fake engine share: an all-gather (the agreement's collective) and
     a collective that needs every rank (as ``dist.new_group`` does), each a real wait."""
 
     def __init__(self, world: int) -> None:
         import threading
 
-        self.world = world
-        self.slots = [b""] * world
-        self.gather = threading.Barrier(world, timeout=30)
+        super().__init__(world)
         self.collective = threading.Barrier(world, timeout=3)
-
-    def view(self, rank: int) -> Any:
-        ranks = self
-
-        class View:
-            def __init__(self) -> None:
-                self.rank = rank
-
-            def all_gather_bytes(self, data: bytes) -> list[bytes]:
-                ranks.slots[rank] = data
-                ranks.gather.wait()
-                out = list(ranks.slots)
-                ranks.gather.wait()
-                return out
-
-        return View()
 
     def join_collective(self) -> None:
         import threading

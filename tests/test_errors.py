@@ -16,6 +16,7 @@ import pytest
 from deltastore import errors
 from deltastore.engines.vllm import error_to_dict, raise_for_error
 from deltastore.errors import DeltastoreError, EngineSyncError, StoreError
+from tests.helpers import ThreadRanks
 
 PACKAGE = Path(errors.__file__).resolve().parent
 #: Classes deriving from an error of errors.py that stay where they are used: control flow
@@ -136,45 +137,18 @@ def test_moved_errors_stay_importable_from_their_old_modules(module: str, name: 
 # --- the ranks of an engine agree, and the driver raises the rank that failed -----------------
 
 
-class Gathered:
-    """A group of ``world`` ranks, one thread each, whose ``all_gather_bytes`` is real (the
-    ranks wait for each other): :func:`agree`'s collective without torch."""
-
-    def __init__(self, world: int) -> None:
-        import threading
-
-        self.world = world
-        self.slots = [b""] * world
-        self.barrier = threading.Barrier(world, timeout=30)
-
-    def rank(self, r: int) -> Any:
-        group = self
-
-        class View:
-            rank = r
-
-            def all_gather_bytes(self, data: bytes) -> list[bytes]:
-                group.slots[r] = data
-                group.barrier.wait()
-                out = list(group.slots)
-                group.barrier.wait()
-                return out
-
-        return View()
-
-
 def agree_all(outcomes: list[BaseException | None]) -> list[BaseException | None]:
     """Every rank (a thread each) agrees with its outcome; what each one raised (or None)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from deltastore.engines.worker_errors import agree
 
-    group = Gathered(len(outcomes))
+    group = ThreadRanks(len(outcomes))
 
     def one(r: int) -> BaseException | None:
         exc = outcomes[r]
         try:
-            agree(group.rank(r), None if exc is None else error_to_dict(exc))
+            agree(group.view(r), None if exc is None else error_to_dict(exc))
         except BaseException as raised:
             return raised
         return None
