@@ -10,7 +10,6 @@ to the fixture the main suite's ``tests/test_engines_vllm.py`` reads."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,36 +17,13 @@ import tools
 
 
 def _rank(rank: int, world: int, port: int, archs: list[str], workdir: str, q: Any) -> None:
-    import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader.utils import initialize_model
-
     from deltastore.engines.vllm import derive_layout
 
     out: dict[str, Any] = {}
-    # vLLM creates its expert-parallel group only when the model parallel state is set up for
-    # a MoE model: initialize under one
-    archs = sorted(archs, key=lambda a: a.split("+")[0] not in ("qwen3_moe", "mixtral"))
-    os.environ["VLLM_DIST_IDENT"] = str(port)  # as vLLM's CPU worker sets it
     try:
-        for i, arch in enumerate(archs):
-            folder = Path(workdir) / arch
-            cfg = EngineArgs(
-                model=str(folder), skip_tokenizer_init=True, dtype="bfloat16",
-                enforce_eager=True, max_model_len=256, tensor_parallel_size=world,
-            ).create_engine_config()  # fmt: skip
-            with set_current_vllm_config(cfg):
-                if i == 0:
-                    init_distributed_environment(
-                        world_size=world, rank=rank, local_rank=rank, backend="gloo",
-                        distributed_init_method=f"tcp://127.0.0.1:{port}",
-                    )  # fmt: skip
-                    initialize_model_parallel(tensor_model_parallel_size=world)
-                with torch.device("meta"):
-                    model = initialize_model(vllm_config=cfg)
-            params = {n: list(p.shape) for n, p in model.named_parameters()}
+        for i, arch in enumerate(sorted(archs, key=lambda a: a.split("+")[0] not in tools.MOE)):
+            with tools.meta_model(arch, workdir, rank, world, port, first=i == 0) as (cfg, model):
+                params = {n: list(p.shape) for n, p in model.named_parameters()}
             hf = cfg.model_config.hf_config.to_dict()
             derived = derive_layout(params, hf, tp_rank=rank, tp_size=world)
             out[arch] = {

@@ -11,8 +11,6 @@ extension would leave a reply queued for the next call); good attaches and syncs
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,23 +22,8 @@ START = 1  # the engine loads version 1, syncs to 2; 3 is corrupted, then repair
 
 
 def run_failures_engine(args: list[str], timeout: float = 900) -> Any:
-    """``failures_engine.py args...`` in a process of its own (as ``tools.run_engine``), with
-    this folder on the workers' path (they import the test layout)."""
-    import json
-    import os
-
-    env = tools.engine_env(2, multiprocess=True)
-    env["PYTHONPATH"] = os.pathsep.join([str(tools.HERE), env["PYTHONPATH"]])
-    proc = subprocess.run(
-        [sys.executable, str(tools.HERE / "failures_engine.py"), *args],
-        env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        raise AssertionError(f"failures_engine.py failed ({proc.returncode}):\n"
-                             f"{proc.stderr[-6000:]}\n{proc.stdout[-2000:]}")  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(tools.RESULT)]
-    assert lines, f"failures_engine.py printed no result:\n{proc.stdout[-4000:]}"
-    return json.loads(lines[-1][len(tools.RESULT) :])
+    """``failures_engine.py args...`` at TP 2 in processes of their own; its JSON result."""
+    return tools.run_engine(args, 2, True, timeout, script="failures_engine.py")
 
 
 def test_tp2_failures_on_one_rank_keep_the_engine_serving_and_in_step(

