@@ -47,9 +47,9 @@ $(VLLM_STAMP): pyproject.toml
 	@echo "==> $(VENV_VLLM) is ready"
 
 # A real vLLM engine follows a trainer's versions (tests/vllm): make test-vllm, in CI, follows
-# a tied Qwen3 (in-process, async, TP 2, a failure on one TP-2 rank, the trace at TP 2);
-# test-vllm-full adds the architecture matrix (docs/engines.md), the untied Qwen3, Qwen3-MoE
-# and vLLM's update API (offline and `vllm serve`): over an hour on 2 cores.
+# a tied Qwen3 (in-process, async, TP 2, the trace at TP 2; about 6 min on 2 cores);
+# test-vllm-full adds the architecture matrix (docs/engines.md), the untied Qwen3, Qwen3-MoE,
+# the TP-2 failure test and vLLM's update API (offline and `vllm serve`): over an hour.
 test-vllm: $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/python -m pytest -q --durations=10 -m "not full" tests/vllm
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import tools
 from conftest import Chain
 
@@ -26,6 +27,9 @@ def run_failures_engine(args: list[str], timeout: float = 900) -> Any:
     return tools.run_engine(args, 2, True, timeout, script="failures_engine.py")
 
 
+# a TP-2 engine and a third TP-2 reference: about 4 minutes, more than CI can spend on it; the
+# fake engine of tests/test_engines_vllm.py checks the same agreement in the main suite
+@pytest.mark.full
 def test_tp2_failures_on_one_rank_keep_the_engine_serving_and_in_step(
     chain: Callable[[str], Chain], reference: Any, tmp_path: Path
 ) -> None:
