@@ -56,7 +56,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from deltastore.engines.vllm_layout import EngineLayout, derive_layout
-from deltastore.engines.vllm_worker import Receiver
+from deltastore.engines.vllm_worker import Receiver, tp_group
 from deltastore.engines.worker_errors import agree, error_from_dict, error_to_dict, root_cause
 from deltastore.errors import DeltastoreError, EngineSyncError
 
@@ -250,14 +250,9 @@ class DeltastoreWorkerExtension:
 
 
 def _tp(worker: Any) -> tuple[Group, int]:
-    """The group the ranks of ``worker``'s engine agree over (vLLM's TP CPU group; a group of
-    one at TP 1) and the worker's TP rank. Imports vLLM (on a worker only)."""
-    from vllm.distributed import parallel_state as ps
-
-    from deltastore.sync.group import Group
-
-    tp = ps.get_tp_group()
-    return (Group(tp.cpu_group) if tp.world_size > 1 else Group(None)), tp.rank_in_group
+    """:func:`~deltastore.engines.vllm_worker.tp_group` of ``worker``'s engine (the worker is
+    what a test's fake engine tells its ranks apart by)."""
+    return tp_group()
 
 
 # --- driver side ------------------------------------------------------------------------

@@ -56,7 +56,13 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from deltastore.engines.worker_errors import agree, error_from_dict, error_to_dict
+from deltastore.engines.worker_errors import (
+    agree,
+    error_from_dict,
+    error_to_dict,
+    gather_errors,
+    root_cause,
+)
 from deltastore.errors import EngineSyncError
 
 if TYPE_CHECKING:
@@ -309,12 +315,9 @@ class _Backend:
     def _ranks(self) -> Group:
         """The group the TP ranks agree over: vLLM's TP CPU group (a group of one at TP 1)."""
         if self._group is None:
-            from vllm.distributed import parallel_state as ps
+            from deltastore.engines.vllm_worker import tp_group
 
-            from deltastore.sync.group import Group
-
-            tp = ps.get_tp_group()
-            self._group = Group(tp.cpu_group) if tp.world_size > 1 else Group(None)
+            self._group = tp_group()[0]
         return self._group
 
 
@@ -325,13 +328,12 @@ def _raise_agreed(group: Group, error: Mapping[str, Any] | None, what: str) -> N
     with ``what``, the rank and the type) and the other ranks return: vLLM reads the replies
     in rank order and stops at the first error, so an error of an earlier rank would leave
     the later ranks' replies queued, to be read as the answers to the next call."""
-    mine = b"" if error is None else json.dumps(dict(error)).encode()
-    got = group.all_gather_bytes(mine)
-    failed = [(rank, json.loads(b)) for rank, b in enumerate(got) if b]
+    failed = gather_errors(group, error)
     if not failed or group.rank != group.world - 1:
         return
     # the rank that failed, not one that stopped because of it (RankError)
-    rank, err = next(((r, e) for r, e in failed if e.get("type") != "RankError"), failed[0])
+    cause = root_cause([{"rank": r, "error": e} for r, e in failed.items()])
+    rank, err = cause["rank"], cause["error"]  # type: ignore[index]
     raise error_from_dict(err, prefix=f"{what} failed on rank {rank} ({err.get('type')}): ")
 
 

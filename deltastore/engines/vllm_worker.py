@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     import torch
 
     from deltastore.format.manifest import Manifest
+    from deltastore.sync.group import Group
     from deltastore.sync.subscriber import Subscriber
 
 log = logging.getLogger(__name__)
@@ -346,6 +347,17 @@ class Receiver:
         result = self._result or {"rank": self.rank, "ok": False, "error": None}
         self._result = None
         return result
+
+
+def tp_group() -> tuple[Group, int]:
+    """The group the TP ranks of this worker's engine agree over (vLLM's TP CPU group; a
+    group of one at TP 1) and this worker's TP rank. Imports vLLM (on a worker only)."""
+    from vllm.distributed import parallel_state as ps
+
+    from deltastore.sync.group import Group
+
+    tp = ps.get_tp_group()
+    return (Group(tp.cpu_group) if tp.world_size > 1 else Group(None)), tp.rank_in_group
 
 
 def _checkpoint_shape(module: Any, pname: str, param: torch.Tensor) -> tuple[int, ...]:

@@ -94,6 +94,14 @@ class _Gather(Protocol):
     def all_gather_bytes(self, data: bytes) -> list[bytes]: ...
 
 
+def gather_errors(group: _Gather, error: Mapping[str, Any] | None) -> dict[int, Any]:
+    """Every rank of ``group`` calls this with its own outcome (``error``: :func:`error_to_dict`
+    of what it raised, None: it succeeded); a collective (one all-gather of JSON, never
+    pickled). Returns the errors of the ranks that failed, by rank (empty: none failed)."""
+    mine = b"" if error is None else json.dumps(dict(error)).encode()
+    return {r: json.loads(b) for r, b in enumerate(group.all_gather_bytes(mine)) if b}
+
+
 def agree(group: _Gather, error: Mapping[str, Any] | None) -> None:
     """Every rank of ``group`` calls this at the same point of a step with its own outcome
     (``error``: :func:`error_to_dict` of what it raised, None: it succeeded so far); a
@@ -101,9 +109,7 @@ def agree(group: _Gather, error: Mapping[str, Any] | None) -> None:
     every rank succeeded; raises :class:`~deltastore.errors.RankError` naming the ranks that
     failed and their first error on a rank that succeeded, and nothing on a rank that failed
     (it reports its own error). Errors travel as JSON, never pickled."""
-    mine = b"" if error is None else json.dumps(dict(error)).encode()
-    got = group.all_gather_bytes(mine)
-    failed = {r: json.loads(b) for r, b in enumerate(got) if b}
+    failed = gather_errors(group, error)
     if not failed or error is not None:
         return
     first, err = next(iter(failed.items()))
@@ -124,4 +130,4 @@ def root_cause(results: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None
     return (cause or failed)[0] if failed else None
 
 
-__all__ = ["agree", "error_from_dict", "error_to_dict", "root_cause"]
+__all__ = ["agree", "error_from_dict", "error_to_dict", "gather_errors", "root_cause"]
