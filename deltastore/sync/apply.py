@@ -39,6 +39,7 @@ import numpy as np
 from deltastore.errors import IntegrityError, RankError
 from deltastore.format.checksum import (
     MOD,
+    adler32,
     apply_delta,
     combine_frames,
     delta_sums,
@@ -53,6 +54,13 @@ from deltastore.tensors.host import Tensors, Words
 from deltastore.tensors.words import Write
 
 Hook = Callable[[], None] | None
+_NOWHERE = np.zeros(0, dtype=np.int64)
+#: A run (or a delta frame, :mod:`deltastore.sync.ranks`) where at least 1/DENSE of the words
+#: change is staged whole (:func:`stage_dense`): past that density the per-element routing,
+#: gather and checksum cost more than reading, summing and writing the whole run. The staged
+#: run holds its old and new words (2 x its bytes; the changed words alone would hold at
+#: least 1/DENSE x (position + 2 words)).
+DENSE = 8
 
 
 @dataclass(frozen=True)
@@ -108,13 +116,15 @@ class Update:
     ``local``: the local tensor's name; ``positions``: ascending flat element indices relative
     to element ``start`` of the tensor (int64, int32 (:func:`~deltastore.tensors.words.narrow`),
     or :func:`~deltastore.tensors.words.compact` gaps); ``old`` / ``new``: the unsigned words
-    there now and after the write."""
+    there now and after the write. ``dense``: ``positions`` is unused and ``old`` / ``new``
+    cover the run of elements ``[start, start + len(new))`` (:func:`stage_dense`)."""
 
     local: str
     start: int
     positions: np.ndarray
     old: np.ndarray
     new: np.ndarray
+    dense: bool = False
 
 
 def stage_at(
@@ -135,6 +145,50 @@ def stage_run(
     return old, (old ^ values if xor else values)
 
 
+def stage_dense(
+    local: str,
+    dest: Words,
+    at: int,
+    values: np.ndarray,
+    offset: int,
+    nbytes: int,
+    *,
+    xor: bool,
+    sums: bool = True,
+) -> tuple[Update, Sums]:
+    """Stage the run ``[at, at + values.size)`` of ``dest`` (the words of local tensor
+    ``local``) taking ``values`` (new words, or XOR masks: ``xor``), whose first element lies
+    at element ``offset`` of an ``nbytes``-byte global tensor: the :class:`Update` and the
+    Adler-32 contribution to that tensor. A run where at least 1/:data:`DENSE` of the words
+    change is
+    staged dense (old and new words of the whole run, :func:`run_sums`); else only its changed
+    words (:func:`contribution`). ``sums`` False: the contribution is not computed (zero).
+    Reads only."""
+    old, new = stage_run(dest, at, values, xor=xor)
+    diff = values != 0 if xor else old != new
+    count = int(np.count_nonzero(diff))
+    size = values.dtype.itemsize
+    if count * DENSE >= values.size:
+        if words.host_view(dest) is not None:
+            old = old.copy()  # a view of the tensor: kept for the restore
+        update = Update(local, at, _NOWHERE, old, new, True)
+        return update, run_sums(old, new, offset * size, nbytes) if sums else Sums()
+    ch = np.flatnonzero(diff)
+    update = Update(local, 0, ch + at, old[ch], new[ch])
+    return update, contribution(ch + offset, update.old, update.new, nbytes) if sums else Sums()
+
+
+def run_sums(old: np.ndarray, new: np.ndarray, offset: int, nbytes: int) -> Sums:
+    """Adler-32 contribution to an ``nbytes``-byte tensor of the run of words starting
+    ``offset`` bytes into it changing from ``old`` to ``new`` (same length, unsigned words):
+    the difference of the run's own Adler-32 after and before, moved to the tensor
+    (:meth:`Sums.shift`). O(run) at zlib's speed; equal to :func:`contribution` of the run's
+    changed words, cheaper when many of them change."""
+    a0, a1 = adler32(old), adler32(new)
+    run = Sums(((a1 & 0xFFFF) - (a0 & 0xFFFF)) % MOD, ((a1 >> 16) - (a0 >> 16)) % MOD)
+    return run.shift(old.nbytes, offset, nbytes)
+
+
 def contribution(
     positions: np.ndarray,
     old: np.ndarray,
@@ -151,14 +205,18 @@ def contribution(
 class Totals:
     """Adler-32 contributions per tensor, added up: ``vector[2 i]`` / ``vector[2 i + 1]`` hold
     tensor ``i``'s dA / dB (int64, reduced mod 65521 when read), so that the contributions of
-    several ranks add up with one all-reduce of the vector. Not thread-safe."""
+    several ranks add up with one all-reduce of the vector. ``counting`` False: nothing is
+    added (a full version, verified frame by frame); callers skip computing sums then. Not
+    thread-safe."""
 
-    def __init__(self, tensors: int) -> None:
+    def __init__(self, tensors: int, *, counting: bool = True) -> None:
         self.vector = np.zeros(2 * tensors, dtype=np.int64)
+        self.counting = counting
 
     def add(self, tensor: int, sums: Sums) -> None:
-        self.vector[2 * tensor] += sums.da
-        self.vector[2 * tensor + 1] += sums.db
+        if self.counting:
+            self.vector[2 * tensor] += sums.da
+            self.vector[2 * tensor + 1] += sums.db
 
     def adler(self, tensor: int, base: int, vector: np.ndarray | None = None) -> int:
         """Tensor ``tensor``'s Adler-32 after its changes, from ``base`` before them; from
@@ -198,9 +256,9 @@ def writes_of(tensors: Tensors, updates: Iterable[Update]) -> list[Write]:
     """The writes of ``updates`` into the local ``tensors`` (by name; contiguous); updates that
     change nothing are left out."""
     return [
-        Write(flat_words(tensors[u.local])[u.start :], u.positions, u.old, u.new)
+        Write(flat_words(tensors[u.local])[u.start :], u.positions, u.old, u.new, u.dense)
         for u in updates
-        if u.positions.size
+        if u.new.size
     ]
 
 
@@ -241,13 +299,16 @@ def write_phase(
 
 
 __all__ = [
+    "DENSE",
     "Hooks",
     "Sums",
     "Totals",
     "Update",
     "contribution",
     "frame_totals",
+    "run_sums",
     "stage_at",
+    "stage_dense",
     "stage_run",
     "verify_tensors",
     "write_phase",

@@ -43,7 +43,7 @@ from deltastore.errors import (
     StoreError,
     TensorMismatchError,
 )
-from deltastore.format.checksum import INVERSE, MOD, adler32
+from deltastore.format.checksum import INVERSE, MOD, adler32, combine_frames
 from deltastore.format.codecs import FrameDecoder
 from deltastore.format.dtypes import itemsize, word_dtype
 from deltastore.format.manifest import Manifest, TensorEntry
@@ -56,13 +56,14 @@ from deltastore.layout.boxes import (
     is_contiguous_box,
 )
 from deltastore.sync.apply import (
+    DENSE,
     Hooks,
     Sums,
     Totals,
     Update,
     contribution,
     stage_at,
-    stage_run,
+    stage_dense,
     verify_tensors,
     write_phase,
     writes_of,
@@ -79,6 +80,7 @@ if TYPE_CHECKING:
 
 #: Dense bytes of anchor frames decoded and exchanged per round (bounds exchange memory).
 ROUND_BYTES = 256 << 20
+
 _CODES: tuple[type[BaseException], ...] = (
     IntegrityError,
     FrameError,
@@ -88,6 +90,12 @@ _CODES: tuple[type[BaseException], ...] = (
     DeltastoreError,
     Exception,
 )
+
+
+_NO_SUMS = np.zeros(1, dtype=np.int64)
+#: A decoded frame: its changes routed per rank, or (staged inline) its updates and Adler-32
+#: contributions (a :class:`~deltastore.sync.apply.Totals` vector).
+Decoded = tuple[list[list[Segment]], list[Update], np.ndarray]
 
 
 def zero_adler(nbytes: int) -> int:
@@ -195,10 +203,14 @@ class LayoutSync:
         does."""
         rounds = self._rounds(m)
         updates: list[Update] = []
-        totals = Totals(len(self._names))
+        # a full version: every frame is checked when decoded, and the frames must add up to the
+        # manifest's tensors (:meth:`_agree`); no sums of changes
+        totals = Totals(len(self._names), counting=m.kind != "anchor")
         error: BaseException | None = None
         staged = 0.0  # gather + checksum of received changes: verification work
         fresh = parent is None
+        # one rank staging against a known state: each frame is staged on its decode thread
+        inline = (m, tensors) if self.group.world == 1 and not fresh else None
         if fresh and hooks.pause is not None:
             hooks.pause()
         try:
@@ -206,9 +218,11 @@ class LayoutSync:
                 out: list[list[Segment]] = [[] for _ in range(self.group.world)]
                 if error is None:
                     try:
-                        for routed in frames.run(mine, self._decoder(), timer):
+                        for routed, done, sums in frames.run(mine, self._decoder(inline), timer):
                             for r, segs in enumerate(routed):
                                 out[r] += segs
+                            updates += done
+                            totals.vector += sums
                     except Exception as exc:
                         error = exc
                 received = exchange(self.group, out, [t[1] for t in self._table])
@@ -297,26 +311,53 @@ class LayoutSync:
             mine.append([t for i, t in enumerate(batch) if owner[i] == self.group.rank])
         return mine
 
-    def _decoder(self) -> Callable[[FrameTask, bytes, FrameDecoder], list[list[Segment]]]:
+    def _decoder(
+        self, inline: tuple[Manifest, Tensors] | None
+    ) -> Callable[[FrameTask, bytes, FrameDecoder], Decoded]:
         """Per-frame work on the fetcher's threads: decode (the one codec dispatch), check the
         frame's changed count (XOR changes) or Adler-32 (new words, checked here since no rank
-        sees the whole frame later), and route the changes to the ranks holding them."""
+        sees the whole frame later), and route the changes to the ranks holding them; with
+        ``inline`` (one rank, a known state: the manifest and the tensors) stage them there
+        too (reads only), in parallel with the other frames."""
 
-        def decode(task: FrameTask, data: bytes, dec: FrameDecoder) -> list[list[Segment]]:
+        def decode(task: FrameTask, data: bytes, dec: FrameDecoder) -> Decoded:
+            routed = route_frame(task, data, dec)
+            if inline is None:
+                return routed, [], _NO_SUMS
+            done: list[Update] = []
+            totals = Totals(len(self._names), counting=inline[0].kind != "anchor")
+            for seg in routed[0]:
+                self._stage(seg, inline[0], inline[1], done, totals, fresh=False)
+            return [[]], done, totals.vector
+
+        def route_frame(task: FrameTask, data: bytes, dec: FrameDecoder) -> list[list[Segment]]:
             name, entry, f = task.name, task.entry, task.frame
             ti, holders = self._index[name], self._holders[name]
             size, n = itemsize(entry.dtype), f.stop - f.start
             routed: list[list[Segment]] = [[] for _ in range(self.group.world)]
             value, changed, new_words = 1, 0, False
             for ch in dec.changes(f.codec, data, n, size, f.changed):
-                if ch.positions is not None:
+                if ch.positions is not None:  # many changes travel as a range of masks
                     changed += ch.positions.size
-                    route(ti, entry.shape, holders, False, ch.positions + f.start, ch.words, routed)
+                    if ch.positions.size * DENSE >= n:
+                        masks = np.zeros(n, dtype=ch.words.dtype)
+                        masks[ch.positions] = ch.words
+                        route_range(
+                            ti, entry.shape, holders, f.start, masks, routed, raw=False, copy=False
+                        )
+                    else:
+                        at = ch.positions + f.start
+                        route(ti, entry.shape, holders, False, at, ch.words, routed)
                 elif ch.xor:
-                    idx = dec.nonzero(ch.words)
-                    changed += idx.size
-                    at = idx + (f.start + ch.first)
-                    route(ti, entry.shape, holders, False, at, ch.words[idx], routed)
+                    count = int(np.count_nonzero(ch.words))
+                    changed += count
+                    if count * DENSE >= ch.words.size:
+                        at0 = f.start + ch.first
+                        route_range(ti, entry.shape, holders, at0, ch.words, routed, raw=False)
+                    else:
+                        idx = dec.nonzero(ch.words)
+                        at = idx + (f.start + ch.first)
+                        route(ti, entry.shape, holders, False, at, ch.words[idx], routed)
                 else:
                     new_words = True
                     value = adler32(ch.words, value)
@@ -354,13 +395,19 @@ class LayoutSync:
         if seg.start >= 0:
             seg = self._stage_range(seg, entry, tensors, updates, totals, fresh=fresh)
         for p in self.bound.placements.get(name, ()):
-            idx, local = p.select(seg.positions)
-            if not idx.size:
+            run = p.runs()
+            sel: slice | np.ndarray
+            if run is not None:  # a slice of the sorted positions, shifted
+                a, b = np.searchsorted(seg.positions, (run[0], run[0] + p.box.numel))
+                sel, local = slice(int(a), int(b)), seg.positions[a:b] + (run[1] - run[0])
+            else:
+                sel, local = p.select(seg.positions)
+            if not local.size:
                 continue
-            copies = seg.copies[idx]
+            copies = seg.copies[sel]
             weights = None if copies.max(initial=1) == 1 else INVERSE[copies]
             dest = flat_words(tensors[p.local])
-            vals = seg.values[idx]
+            vals = seg.values[sel]
             if fresh:
                 if not seg.raw:
                     raise ManifestError(f"{name}: a fresh receiver needs an anchor, got a delta")
@@ -368,11 +415,14 @@ class LayoutSync:
                 old, new = np.zeros_like(vals), vals
             else:
                 old, new = stage_at(dest, local, vals, xor=not seg.raw)
-                ch = np.flatnonzero(new != old)
-                updates.append(Update(p.local, 0, local[ch], old[ch], new[ch]))
-            totals.add(
-                seg.tensor, contribution(seg.positions[idx], old, new, entry.nbytes, weights)
-            )
+                if seg.raw:  # new words: keep those that change (XOR masks all change)
+                    ch = np.flatnonzero(new != old)
+                    local, old, new = local[ch], old[ch], new[ch]
+                updates.append(Update(p.local, 0, local, old, new))
+            if totals.counting:
+                totals.add(
+                    seg.tensor, contribution(seg.positions[sel], old, new, entry.nbytes, weights)
+                )
 
     def _stage_range(
         self,
@@ -384,14 +434,17 @@ class LayoutSync:
         *,
         fresh: bool,
     ) -> Segment:
-        """Apply a dense range to the placements it covers as one slice (contiguous boxes with
-        one copy count: a copy and a zlib Adler-32); return what is left, element-wise."""
+        """Apply a dense range (new words, or XOR masks) to the placements it covers as one
+        slice (contiguous boxes with one copy count): written now (``fresh``), or staged with
+        :func:`~deltastore.sync.apply.stage_dense`; return what is left, element-wise."""
         if self.bound is None:  # pragma: no cover - bound before apply
             raise LayoutError("layout is not bound")
         name = self._names[seg.tensor]
+        if fresh and not seg.raw:
+            raise ManifestError(f"{name}: a fresh receiver needs an anchor, got a delta")
         size = itemsize(entry.dtype)
         lo, hi = seg.start, seg.start + seg.values.size
-        rest = np.ones(seg.values.size, dtype=np.bool_)
+        rest = np.ones(seg.values.size, dtype=np.bool_) if seg.raw else seg.values != 0
         for p in self.bound.placements.get(name, ()):
             run = p.runs()
             if run is None:
@@ -404,16 +457,25 @@ class LayoutSync:
             rest[a - lo : b - lo] = False
             dest = flat_words(tensors[p.local])
             at = dst + a - src
+            values = seg.values[a - lo : b - lo]
             if fresh:
-                new = seg.values[a - lo : b - lo]
-                words.scatter_range(dest, at, new)
-                sums = Sums.from_zeros(adler32(new), (b - a) * size)
-                sums = sums.shift((b - a) * size, a * size, entry.nbytes)
+                words.scatter_range(dest, at, values)
+                sums = Sums()
+                if totals.counting:
+                    sums = Sums.from_zeros(adler32(values), (b - a) * size)
+                    sums = sums.shift((b - a) * size, a * size, entry.nbytes)
             else:
-                old, new = stage_run(dest, at, seg.values[a - lo : b - lo], xor=False)
-                ch = np.flatnonzero(old != new)
-                updates.append(Update(p.local, 0, ch + at, old[ch], new[ch]))
-                sums = contribution(ch + a, old[ch], new[ch], entry.nbytes)
+                update, sums = stage_dense(
+                    p.local,
+                    dest,
+                    at,
+                    values,
+                    a,
+                    entry.nbytes,
+                    xor=not seg.raw,
+                    sums=totals.counting,
+                )
+                updates.append(update)
             totals.add(seg.tensor, sums.weighted(int(INVERSE[k])))
         left = np.flatnonzero(rest)
         pos = left + lo
@@ -422,7 +484,7 @@ class LayoutSync:
             (inside(pos, entry.shape, o, n).astype(np.uint8) for o, n in every),
             np.zeros(pos.size, dtype=np.uint8),
         )
-        return Segment(seg.tensor, True, pos, copies, seg.values[left])
+        return Segment(seg.tensor, seg.raw, pos, copies, seg.values[left])
 
     def _uniform_copies(self, name: str, shape: Sequence[int], a: int, b: int) -> int | None:
         """Copies in the group of every element of the flat range [a, b), if all have the same
@@ -463,6 +525,21 @@ class LayoutSync:
                 + ", ".join(f"rank {r} failed ({_CODES[c - 1].__name__})" for r, c in failed)
                 + "; see that rank's log. Nothing was written on any rank"
             )
+        outcome = "they hold garbage now: sync again" if parent is None else "nothing was written"
+        if not totals.counting:  # each frame was checked: they must add up to the tensors
+            got = {
+                name: combine_frames(
+                    [(f.adler32, (f.stop - f.start) * itemsize(e.dtype)) for f in e.frames]
+                )
+                for name, e in m.tensors.items()
+                if name in self._holders
+            }
+            verify_tensors(
+                m,
+                got,
+                f"its frames do not add up to the tensor: the manifest is damaged; {outcome}",
+            )
+            return
         got = {
             name: totals.adler(
                 i,
@@ -472,9 +549,7 @@ class LayoutSync:
             for i, name in enumerate(self._names)
             if name in self._holders
         }
-        verify_tensors(
-            m, got, "they hold garbage now: sync again" if parent is None else "nothing was written"
-        )
+        verify_tensors(m, got, outcome)
 
     def _failed_ranks(self, failed_here: bool) -> list[int]:
         """The ranks whose writes failed (a collective: one all-reduce)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from deltastore.format.dtypes import itemsize, word_dtype
-from deltastore.layout.boxes import flat_span, inside
+from deltastore.layout.boxes import flat_span, inside, is_contiguous_box
 from deltastore.sync.group import Group
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -28,7 +28,8 @@ Holders = list[tuple[int, Boxes]]
 class Segment:
     """Decoded changes of one frame (piece) for one rank: ``raw`` values are new words,
     otherwise XOR masks; ``copies`` is each element's number of copies in the group. Anchor
-    frames travel as dense ranges (``start``; no positions, copies counted by the receiver)."""
+    frames, and delta frames that change many elements, travel as dense ranges (``start``; no
+    positions, copies counted by the receiver; XOR masks of zero for unchanged elements)."""
 
     tensor: int
     raw: bool
@@ -48,6 +49,14 @@ def route(
     routed: list[list[Segment]],
 ) -> None:
     """Split sorted global ``pos`` among the ranks holding them, with copy counts."""
+    if len(holders) == 1 and len(holders[0][1]) == 1:  # one box: no copies, maybe a slice
+        r, ((o, n),) = holders[0]
+        if is_contiguous_box(shape, o, n):
+            a, b = np.searchsorted(pos, flat_span(shape, o, n))
+            if a < b:
+                ones = np.ones(b - a, dtype=np.uint8)
+                routed[r].append(Segment(tensor, raw, pos[a:b], ones, values[a:b]))
+            return
     held = [
         (
             r,
@@ -72,17 +81,22 @@ def route_range(
     start: int,
     words: np.ndarray,
     routed: list[list[Segment]],
+    *,
+    raw: bool = True,
+    copy: bool = True,
 ) -> None:
     """Send each rank the part of the dense range ``[start, start + len(words))`` within the
-    hull of its boxes."""
+    hull of its boxes: new words (``raw``) or XOR masks (zero: unchanged). ``copy``: copy the
+    parts (``words`` is a decoder's reused buffer); else they are views of ``words``."""
     stop = start + words.size
     for r, boxes in holders:
         spans = [flat_span(shape, o, n) for o, n in boxes]
         a = max(start, min(lo for lo, _ in spans))
         b = min(stop, max(hi for _, hi in spans))
         if a < b:
+            part = words[a - start : b - start]
             routed[r].append(
-                Segment(tensor, True, _EMPTY, _EMPTY_U8, words[a - start : b - start].copy(), a)
+                Segment(tensor, raw, _EMPTY, _EMPTY_U8, part.copy() if copy else part, a)
             )
 
 

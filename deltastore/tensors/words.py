@@ -38,12 +38,22 @@ INT32_MAX = (1 << 31) - 1
 class Write:
     """One write of a write phase: ``local``, the 1-D words of a tensor (CPU or device, or a
     host tensor's); ``positions`` in it, ascending (int32/int64, or :func:`compact` gaps); the
-    ``old`` and ``new`` unsigned words there (same length)."""
+    ``old`` and ``new`` unsigned words there (same length). ``dense``: ``positions`` is unused
+    and ``old`` / ``new`` are the words of elements ``[0, len(new))`` of ``local`` (one range
+    write instead of a scatter)."""
 
     local: Words
     positions: np.ndarray
     old: np.ndarray
     new: np.ndarray
+    dense: bool = False
+
+    def put(self, values: np.ndarray) -> None:
+        """Write ``values`` (``old`` or ``new``) where this write goes."""
+        if self.dense:
+            scatter_range(self.local, 0, values)
+        else:
+            scatter(self.local, self.positions, values)
 
 
 def host_view(local: Words) -> np.ndarray | None:
@@ -148,9 +158,9 @@ def expand(stored: np.ndarray) -> np.ndarray:
 
 
 def write_all(writes: Sequence[Write]) -> None:
-    """Scatter each write's new words (:func:`scatter`), in order, all or nothing: if a write
-    fails, every write started (the failing one included) gets its old words back before the
-    error is re-raised.
+    """Put each write's new words (:meth:`Write.put`: a scatter, or a range write), in order,
+    all or nothing: if a write fails, every write started (the failing one included) gets its
+    old words back before the error is re-raised.
 
     Narrow positions (:func:`narrow`, :func:`compact` gaps) are widened in steps by
     :func:`scatter`. Restoring writes
@@ -160,13 +170,13 @@ def write_all(writes: Sequence[Write]) -> None:
     try:
         for w in writes:
             done += 1  # before the write: one that fails halfway is undone too
-            scatter(w.local, w.positions, w.new)
+            w.put(w.new)
     except BaseException:
         restore_all(writes[:done])
         raise
 
 
 def restore_all(writes: Sequence[Write]) -> None:
-    """Put the old words of ``writes`` back (:func:`scatter`), newest first."""
+    """Put the old words of ``writes`` back (:meth:`Write.put`), newest first."""
     for w in reversed(writes):
-        scatter(w.local, w.positions, w.old)
+        w.put(w.old)
