@@ -16,7 +16,15 @@ from hypothesis import strategies as st
 
 import deltastore.sync.ranks
 import deltastore.tensors.words
-from deltastore import FrameError, IntegrityError, Layout, Publisher, Subscriber, shard
+from deltastore import (
+    FrameError,
+    IntegrityError,
+    Layout,
+    Publisher,
+    Subscriber,
+    TensorMismatchError,
+    shard,
+)
 from deltastore.format.manifest import manifest_key, state_digest
 from deltastore.sync.apply import DENSE, contribution, run_sums, stage_dense
 from deltastore.tensors.words import Write
@@ -246,3 +254,24 @@ def test_an_anchor_on_a_known_state_is_checked_frame_by_frame(tmp_path: Path) ->
     repaired = again()
     assert repaired.sync().version == 1
     assert equal_bits(repaired.tensors, local(v1))
+
+
+@pytest.mark.parametrize("layout", ["whole", "cols", "rows"])
+def test_verify_reads_runs_whole_and_finds_one_flipped_bit(tmp_path: Path, layout: str) -> None:
+    """The full check of a layout (at attach): runs by zlib's Adler-32, the rest element-wise;
+    a flipped bit in any local tensor, a replica's included, names its tensor."""
+    lay, _ = layouts()[layout]
+    pub = Publisher(tmp_path, max_frame_bytes=1 << 22)
+    pub.publish(state0(), version=0)
+    sub = Subscriber(tmp_path, layout=lay)
+    sub.sync()
+    sub.verify()
+    assert sub.tensors is not None
+    for local, t in sub.tensors.items():
+        flat = t.view(torch.int16).view(-1)
+        at = flat.numel() * 2 // 3
+        flat[at] ^= 4
+        with pytest.raises(TensorMismatchError, match="norm" if "norm" in local else "w"):
+            sub.verify()
+        flat[at] ^= 4
+    sub.verify()
