@@ -62,11 +62,14 @@ def test_run_sums_equal_the_contribution_of_the_changed_words(
         assert sums == want
         assert update.dense == (ch.size * DENSE >= n)
         out = dest.copy()
-        Write(out[update.start :], update.positions, update.old, update.new, update.dense).put(
-            update.new
+        write = Write(
+            out[update.start :], update.positions, update.old, update.new, update.dense, update.xor
         )
+        write.put(write.new)
         assert np.array_equal(out[7 : 7 + n], new)
         assert np.array_equal(np.delete(out, np.s_[7 : 7 + n]), np.delete(dest, np.s_[7 : 7 + n]))
+        write.put(write.old)  # the restore
+        assert np.array_equal(out, dest)
 
 
 def state0() -> dict[str, torch.Tensor]:
@@ -183,34 +186,44 @@ def test_a_dense_delta_on_a_drifted_state_is_refused_and_nothing_written(
     assert sub.version == 0
 
 
+@pytest.mark.parametrize("kind", ["xor_range", "scatter_range"])
 def test_a_dense_write_failing_midway_is_rolled_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    pub = Publisher(tmp_path, max_frame_bytes=1 << 22, anchor_policy="never")
+    """The second write of a dense version fails: an in-place XOR (host words) before it writes
+    anything (numpy checks operands first), or a range copy (device words: simulated with CPU
+    tensors taken through torch's device path) halfway. Every write started is undone."""
+    pub = Publisher(tmp_path, max_frame_bytes=1 << 22, anchor_policy="never", codecs="v1")
     v0 = state0()
     pub.publish(v0, version=0)
-    pub.publish(step(v0, 0.5, 1), version=1)
+    v1 = step(v0, 0.5, 1)
+    pub.publish(v1, version=1)
+    pub.publish(step(v1, 0.5, 2), version=2, anchor=True)  # new words, staged as copies
     lay = Layout({"w": "w", "norm": "norm"})
     sub = Subscriber(tmp_path, layout=lay)
-    sub.sync(version=0)
+    sub.sync(version=0 if kind == "xor_range" else 1)
     before = {n: t.view(torch.int16).clone() for n, t in (sub.tensors or {}).items()}
-    real, calls = deltastore.tensors.words.scatter_range, {"n": 0}
+    real, calls = getattr(deltastore.tensors.words, kind), {"n": 0}
 
-    def flaky(local: Any, start: int, values: np.ndarray) -> None:
+    def flaky(local: Any, *args: Any) -> None:
         calls["n"] += 1
-        if calls["n"] == 2:  # the second run: half written, then the device is lost
-            real(local, start, values[: values.size // 2])
+        if calls["n"] == 2:
+            if kind == "scatter_range":  # half written, then the device is lost
+                start, values = args
+                real(local, start, values[: values.size // 2])
             raise OSError("device lost")
-        real(local, start, values)
+        real(local, *args)
 
-    monkeypatch.setattr(deltastore.tensors.words, "scatter_range", flaky)
+    monkeypatch.setattr(deltastore.tensors.words, kind, flaky)
+    if kind == "scatter_range":  # as on a device: no numpy view of the words
+        monkeypatch.setattr(deltastore.tensors.words, "host_view", lambda local: None)
     with pytest.raises(OSError, match="device lost"):
-        sub.sync()
-    assert calls["n"] > 2  # the restores went through scatter_range too
-    assert sub.version == 0
+        sub.sync(version=sub.version + 1)
+    assert calls["n"] > 2  # the restore went through the same function
     assert equal_bits(sub.tensors, before)
-    monkeypatch.setattr(deltastore.tensors.words, "scatter_range", real)
-    assert sub.sync().version == 1
+    monkeypatch.setattr(deltastore.tensors.words, kind, real)
+    assert sub.sync().version == 2
+    assert equal_bits(sub.tensors, step(v1, 0.5, 2))
 
 
 def test_an_anchor_on_a_known_state_is_checked_frame_by_frame(tmp_path: Path) -> None:

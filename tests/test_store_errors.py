@@ -20,6 +20,8 @@ import hashlib
 import logging
 import re
 import shlex
+import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -417,17 +419,37 @@ def test_timeout_bounds_the_retries_and_is_a_storage_option(
 
 
 def test_one_attempt_is_one_request_no_hidden_retries() -> None:
-    """s3fs's and botocore's own retries are off: they added 7-17 s of silence before."""
+    """s3fs's and botocore's own retries are off (they added 7-17 s of silence before): one
+    attempt against a server that hangs up on every request opens one connection."""
     from deltastore.store.s3 import S3Store
 
-    dead = f"http://127.0.0.1:{free_port()}"
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.5)  # the accept loop ends 0.5 s after the last connection
+    accepted: list[int] = []
+
+    def hang_up() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # timed out: no more connections
+                return
+            accepted.append(1)
+            conn.close()
+
+    thread = threading.Thread(target=hang_up, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
     store = S3Store(
-        "s3://bucket/p", {**CREDENTIALS, "endpoint_url": dead}, retry=RetryPolicy(attempts=1)
+        "s3://bucket/p", {**CREDENTIALS, "endpoint_url": endpoint}, retry=RetryPolicy(attempts=1)
     )
-    start = time.monotonic()
-    with pytest.raises(StoreError, match="after 1 attempt "):
-        store.get(LATEST_KEY)
-    assert time.monotonic() - start < 1.5
+    try:
+        with pytest.raises(StoreError, match="after 1 attempt "):
+            store.get(LATEST_KEY)
+        thread.join(timeout=30)
+    finally:
+        server.close()
+    assert not thread.is_alive()
+    assert len(accepted) == 1
 
 
 def test_own_storage_options_never_reach_the_filesystem(s3_endpoint: str) -> None:

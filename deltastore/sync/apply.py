@@ -31,8 +31,10 @@ one thread, with nothing else touching the tensors.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -117,7 +119,9 @@ class Update:
     to element ``start`` of the tensor (int64, int32 (:func:`~deltastore.tensors.words.narrow`),
     or :func:`~deltastore.tensors.words.compact` gaps); ``old`` / ``new``: the unsigned words
     there now and after the write. ``dense``: ``positions`` is unused and ``old`` / ``new``
-    cover the run of elements ``[start, start + len(new))`` (:func:`stage_dense`)."""
+    cover the run of elements ``[start, start + len(new))`` (:func:`stage_dense`); ``xor``
+    (dense only, host tensors): ``old`` and ``new`` are both the run's XOR masks, written and
+    undone by XOR-ing them in place."""
 
     local: str
     start: int
@@ -125,6 +129,7 @@ class Update:
     old: np.ndarray
     new: np.ndarray
     dense: bool = False
+    xor: bool = False
 
 
 def stage_at(
@@ -159,23 +164,49 @@ def stage_dense(
     """Stage the run ``[at, at + values.size)`` of ``dest`` (the words of local tensor
     ``local``) taking ``values`` (new words, or XOR masks: ``xor``), whose first element lies
     at element ``offset`` of an ``nbytes``-byte global tensor: the :class:`Update` and the
-    Adler-32 contribution to that tensor. A run where at least 1/:data:`DENSE` of the words
-    change is
-    staged dense (old and new words of the whole run, :func:`run_sums`); else only its changed
-    words (:func:`contribution`). ``sums`` False: the contribution is not computed (zero).
-    Reads only."""
-    old, new = stage_run(dest, at, values, xor=xor)
-    diff = values != 0 if xor else old != new
-    count = int(np.count_nonzero(diff))
+    Adler-32 contribution to that tensor. ``sums`` False: the contribution is not computed
+    (zero). Reads only; thread-safe (per-thread scratch buffers).
+
+    A run where at least 1/:data:`DENSE` of the words change is staged whole
+    (:func:`run_sums`): in host words as its XOR masks (the given ones, or old XOR new; written
+    by an in-place XOR and undone by the same XOR: no copy of the run is kept), on a device as
+    its old words (for the restore) and new ones. A sparser run stages only its changed words
+    (:func:`contribution`)."""
     size = values.dtype.itemsize
-    if count * DENSE >= values.size:
-        if words.host_view(dest) is not None:
-            old = old.copy()  # a view of the tensor: kept for the restore
-        update = Update(local, at, _NOWHERE, old, new, True)
-        return update, run_sums(old, new, offset * size, nbytes) if sums else Sums()
-    ch = np.flatnonzero(diff)
-    update = Update(local, 0, ch + at, old[ch], new[ch])
+    host = words.host_view(dest)
+    if host is not None:  # host words: staged as XOR masks either way
+        old = host.view(values.dtype)[at : at + values.size]
+        masks = values if xor else np.bitwise_xor(old, values)
+        if np.count_nonzero(masks) * DENSE >= values.size:
+            total = Sums()
+            if sums:
+                new = np.bitwise_xor(old, masks, out=_scratch(values.dtype, values.size))
+                total = run_sums(old, new, offset * size, nbytes)
+            return Update(local, at, _NOWHERE, masks, masks, True, True), total
+        ch = np.flatnonzero(masks)
+        update = Update(local, 0, ch + at, old[ch], old[ch] ^ masks[ch])
+    else:  # a device: the old words come back as a copy
+        old, new = stage_run(dest, at, values, xor=xor)
+        diff = values != 0 if xor else old != new
+        if np.count_nonzero(diff) * DENSE >= values.size:
+            update = Update(local, at, _NOWHERE, old, new, True)
+            return update, run_sums(old, new, offset * size, nbytes) if sums else Sums()
+        ch = np.flatnonzero(diff)
+        update = Update(local, 0, ch + at, old[ch], new[ch])
     return update, contribution(ch + offset, update.old, update.new, nbytes) if sums else Sums()
+
+
+_local = threading.local()
+
+
+def _scratch(dtype: type[np.generic] | np.dtype[Any], count: int) -> np.ndarray:
+    """A reused buffer of ``count`` elements of ``dtype``, per thread (grown as needed)."""
+    dt = np.dtype(dtype)
+    bufs: dict[str, np.ndarray] = _local.__dict__.setdefault("bufs", {})
+    buf = bufs.get(dt.str)
+    if buf is None or buf.size < count:
+        buf = bufs[dt.str] = np.empty(max(count, 1 << 20), dtype=dt)
+    return buf[:count]
 
 
 def run_sums(old: np.ndarray, new: np.ndarray, offset: int, nbytes: int) -> Sums:
@@ -256,7 +287,7 @@ def writes_of(tensors: Tensors, updates: Iterable[Update]) -> list[Write]:
     """The writes of ``updates`` into the local ``tensors`` (by name; contiguous); updates that
     change nothing are left out."""
     return [
-        Write(flat_words(tensors[u.local])[u.start :], u.positions, u.old, u.new, u.dense)
+        Write(flat_words(tensors[u.local])[u.start :], u.positions, u.old, u.new, u.dense, u.xor)
         for u in updates
         if u.new.size
     ]

@@ -93,6 +93,8 @@ _CODES: tuple[type[BaseException], ...] = (
 
 
 _NO_SUMS = np.zeros(1, dtype=np.int64)
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY_U8 = np.zeros(0, dtype=np.uint8)
 #: A decoded frame: its changes routed per rank, or (staged inline) its updates and Adler-32
 #: contributions (a :class:`~deltastore.sync.apply.Totals` vector).
 Decoded = tuple[list[list[Segment]], list[Update], np.ndarray]
@@ -459,7 +461,7 @@ class LayoutSync:
             raise ManifestError(f"{name}: a fresh receiver needs an anchor, got a delta")
         size = itemsize(entry.dtype)
         lo, hi = seg.start, seg.start + seg.values.size
-        rest = np.ones(seg.values.size, dtype=np.bool_) if seg.raw else seg.values != 0
+        done: list[tuple[int, int]] = []  # ranges of the segment staged as runs
         for p in self.bound.placements.get(name, ()):
             run = p.runs()
             if run is None:
@@ -469,7 +471,7 @@ class LayoutSync:
             k = self._uniform_copies(name, entry.shape, a, b) if a < b else None
             if k is None:
                 continue
-            rest[a - lo : b - lo] = False
+            done.append((a - lo, b - lo))
             dest = flat_words(tensors[p.local])
             at = dst + a - src
             values = seg.values[a - lo : b - lo]
@@ -492,6 +494,16 @@ class LayoutSync:
                 )
                 updates.append(update)
             totals.add(seg.tensor, sums.weighted(int(INVERSE[k])))
+        reach = 0  # the segment's elements [0, reach) are staged (copies may overlap)
+        for a, b in sorted(done):
+            if a > reach:
+                break
+            reach = max(reach, b)
+        if reach == seg.values.size:
+            return Segment(seg.tensor, seg.raw, _EMPTY, _EMPTY_U8, seg.values[:0])
+        rest = np.ones(seg.values.size, dtype=np.bool_) if seg.raw else seg.values != 0
+        for a, b in done:
+            rest[a:b] = False
         left = np.flatnonzero(rest)
         pos = left + lo
         every = [b for _, bs in self._holders[name] for b in bs]

@@ -40,17 +40,23 @@ class Write:
     host tensor's); ``positions`` in it, ascending (int32/int64, or :func:`compact` gaps); the
     ``old`` and ``new`` unsigned words there (same length). ``dense``: ``positions`` is unused
     and ``old`` / ``new`` are the words of elements ``[0, len(new))`` of ``local`` (one range
-    write instead of a scatter)."""
+    write instead of a scatter). ``xor`` (dense, host words only): ``old`` and ``new`` are the
+    same XOR masks, and a put XORs them into ``local`` in place (numpy checks its operands
+    before it writes: the XOR raises with nothing written, or completes), so the restore is
+    the same XOR."""
 
     local: Words
     positions: np.ndarray
     old: np.ndarray
     new: np.ndarray
     dense: bool = False
+    xor: bool = False
 
     def put(self, values: np.ndarray) -> None:
         """Write ``values`` (``old`` or ``new``) where this write goes."""
-        if self.dense:
+        if self.xor:
+            xor_range(self.local, values)
+        elif self.dense:
             scatter_range(self.local, 0, values)
         else:
             scatter(self.local, self.positions, values)
@@ -90,7 +96,7 @@ def gather_range(local: Words, start: int, count: int, wdt: np.dtype[Any]) -> np
         out: np.ndarray = host.view(wdt)[start : start + count]
         return out
     dev = cast("torch.Tensor", local)  # on a device
-    got: np.ndarray = dev[start : start + count].cpu().numpy().view(wdt)
+    got: np.ndarray = dev[start : start + count].to("cpu", copy=True).numpy().view(wdt)
     return got
 
 
@@ -137,6 +143,16 @@ def scatter_range(local: Words, start: int, values: np.ndarray) -> None:
     dev[start : start + values.size].copy_(vals)
 
 
+def xor_range(local: Words, masks: np.ndarray) -> None:
+    """XOR ``masks`` (unsigned words) into elements ``[0, len(masks))`` of host words
+    ``local``, in place."""
+    host = host_view(local)
+    if host is None:
+        raise TypeError("an in-place XOR write needs host words")
+    dest = host.view(masks.dtype)[: masks.size]
+    np.bitwise_xor(dest, masks, out=dest)
+
+
 def narrow(positions: np.ndarray, numel: int) -> np.ndarray:
     """Flat int64 ``positions`` (each below ``numel``) as int32 when ``numel`` allows, else as
     they are: how staged positions are kept until the write (see the module docstring)."""
@@ -169,8 +185,9 @@ def write_all(writes: Sequence[Write]) -> None:
     done = 0
     try:
         for w in writes:
-            done += 1  # before the write: one that fails halfway is undone too
+            done += not w.xor  # before the write: one that fails halfway is undone too
             w.put(w.new)
+            done += w.xor  # an XOR write either completed or wrote nothing
     except BaseException:
         restore_all(writes[:done])
         raise
