@@ -420,7 +420,9 @@ def test_timeout_bounds_the_retries_and_is_a_storage_option(
 
 def test_one_attempt_is_one_request_no_hidden_retries() -> None:
     """s3fs's and botocore's own retries are off (they added 7-17 s of silence before): one
-    attempt against a server that hangs up on every request opens one connection."""
+    attempt against a server that hangs up on every request sends the request at most twice.
+    aiohttp re-sends an idempotent request once, at once, when the server closes the connection
+    before answering (RFC 9112, 9.3.1); botocore's retry loop and s3fs's would add 4 or more."""
     from deltastore.store.s3 import S3Store
 
     server = socket.create_server(("127.0.0.1", 0))
@@ -449,7 +451,7 @@ def test_one_attempt_is_one_request_no_hidden_retries() -> None:
     finally:
         server.close()
     assert not thread.is_alive()
-    assert len(accepted) == 1
+    assert 1 <= len(accepted) <= 2
 
 
 def test_own_storage_options_never_reach_the_filesystem(s3_endpoint: str) -> None:
