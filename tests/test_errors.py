@@ -191,3 +191,44 @@ def test_the_rank_that_failed_is_raised_not_the_ranks_it_stopped() -> None:
 def test_a_failed_result_without_an_error_still_raises() -> None:
     with pytest.raises(EngineSyncError, match="rank 1: failed without an error"):
         raise_for_error([{"rank": 0, "ok": True}, {"rank": 1, "ok": False, "error": None}])
+
+
+class _Recording:
+    """A group of one that records what each agreement carried (None: success)."""
+
+    def __init__(self) -> None:
+        self.said: list[str | None] = []
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        self.said.append(json.loads(data)["type"] if data else None)
+        return [data]
+
+
+@pytest.mark.parametrize("after", [False, True])
+@pytest.mark.parametrize("fails", ["before", "after", "never"])
+def test_agreed_tells_the_other_ranks_once_at_the_right_point(after: bool, fails: str) -> None:
+    """A failure before the collectives is told in the agreement the others wait in; one after
+    them only with ``after`` (the caller agrees again); a success agrees once, before."""
+    from deltastore.engines.worker_errors import agreed
+
+    group = _Recording()
+
+    def make(before_collectives: Any) -> str:
+        if fails == "before":
+            raise StoreError("no store")
+        before_collectives()
+        if fails == "after":
+            raise StoreError("lost")
+        return "bound"
+
+    if fails == "never":
+        assert agreed(group, make, after=after) == "bound"
+    else:
+        with pytest.raises(StoreError):
+            agreed(group, make, after=after)
+    expected = {
+        "before": ["StoreError"],
+        "after": [None, "StoreError"] if after else [None],
+        "never": [None],
+    }[fails]
+    assert group.said == expected

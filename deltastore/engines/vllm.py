@@ -57,7 +57,13 @@ from typing import TYPE_CHECKING, Any
 
 from deltastore.engines.vllm_layout import EngineLayout, derive_layout
 from deltastore.engines.vllm_worker import Receiver, tp_group
-from deltastore.engines.worker_errors import agree, error_from_dict, error_to_dict, root_cause
+from deltastore.engines.worker_errors import (
+    agree,
+    agreed,
+    error_from_dict,
+    error_to_dict,
+    root_cause,
+)
 from deltastore.errors import DeltastoreError, EngineSyncError
 
 if TYPE_CHECKING:
@@ -217,27 +223,18 @@ class DeltastoreWorkerExtension:
         after it (a rank that failed later makes the others drop their new binding)."""
         group = _tp(self)[0]
         old = self._deltastore
-        stage = "local"
 
-        def before_collectives() -> None:
-            nonlocal stage
-            stage = "agreeing"
-            agree(group, None)
-            stage = "bound"
-
-        try:
+        def make(before_collectives: Callable[[], None]) -> Receiver:
             if old is not None and old.status()["state"] in ("preparing", "ready"):
                 raise EngineSyncError(
                     "a prepared sync is under way on this worker; call deltastore_commit "
                     "before attaching again"
                 )
-            rec = Receiver(
+            return Receiver(
                 self, url, version, storage_options, dict(options or {}), before_collectives
             )
-        except Exception as exc:
-            if stage != "agreeing":  # there the agreement itself said no: all ranks know
-                agree(group, error_to_dict(exc))
-            raise
+
+        rec = agreed(group, make, after=True)
         try:  # after the binding's collectives (or, if it had none, the only agreement)
             agree(group, None)
         except Exception:

@@ -57,7 +57,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from deltastore.engines.worker_errors import (
-    agree,
+    agreed,
     error_from_dict,
     error_to_dict,
     gather_errors,
@@ -288,22 +288,12 @@ class _Backend:
                 "`deltastore pull`); pass from_version in update_info or version in init_info"
             )
         worker = _WorkerView(self.vllm_config, self.model)
-        group, stage = self._ranks(), "local"
-
-        def before_collectives() -> None:  # a rank that failed its local checks stops all
-            nonlocal stage
-            stage = "agreeing"
-            agree(group, None)
-            stage = "bound"
-
-        try:
-            rec = Receiver(
-                worker, url, version, storage_options, dict(options or {}), before_collectives
-            )
-        except Exception as exc:
-            if stage == "local":  # the others wait in the agreement: tell them
-                agree(group, error_to_dict(exc))
-            raise
+        rec = agreed(  # a failure after the collectives: the update's _raise_agreed tells all
+            self._ranks(),
+            lambda before: Receiver(
+                worker, url, version, storage_options, dict(options or {}), before
+            ),
+        )
         self.shutdown()  # the previous binding, if any: its lease
         self._receiver, self._store, self._held = rec, key, rec.sub.version
         log.info("deltastore: bound to %s at version %d", url, version)

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 from deltastore import errors
 from deltastore.errors import DeltastoreError, EngineSyncError, RankError
+
+T = TypeVar("T")
 
 
 def _public_type(cls: type[BaseException]) -> type[DeltastoreError] | None:
@@ -118,6 +120,30 @@ def agree(group: _Gather, error: Mapping[str, Any] | None) -> None:
         f"failed ({err.get('type')} on rank {first}: {err.get('message')}); this rank stopped "
         "too and changed nothing"
     )
+
+
+def agreed(group: _Gather, make: Callable[[Callable[[], None]], T], *, after: bool = False) -> T:
+    """``make(before_collectives)``, in step with the other ranks of ``group`` (every rank
+    calls it together): ``make`` calls ``before_collectives`` just before its first collective,
+    which agrees (:func:`agree`) that every rank got there, so a rank that failed its local
+    checks stops them all there instead of leaving them in a collective it never joins. A rank
+    that fails before that point tells the others in that agreement, then raises; with
+    ``after``, a rank that fails after the collectives tells them too, in the agreement its
+    caller makes after ``make`` returned (attach's: every rank drops the new binding)."""
+    stage = "local"
+
+    def before_collectives() -> None:
+        nonlocal stage
+        stage = "agreeing"
+        agree(group, None)
+        stage = "bound"
+
+    try:
+        return make(before_collectives)
+    except Exception as exc:
+        if stage == "local" or (after and stage == "bound"):  # the others wait to hear it
+            agree(group, error_to_dict(exc))
+        raise
 
 
 def root_cause(results: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
