@@ -391,3 +391,34 @@ def test_zero_update_keeps_a_signed_zero() -> None:
     w, certain = invert_chunk(param, m, v, coef)
     assert certain.tolist()[:3] == [True, True, False]
     assert w[:2].tolist() == [0x0000, 0x8000]
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_a_step_gradscaler_skipped_is_unchanged(impl: str) -> None:
+    """GradScaler finds an inf: the fused kernel skips the update and puts ``step`` back, the
+    other paths do not call ``step()``: unchanged. The next step is inverted, exactly."""
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 4)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3, **IMPLS[impl])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    inv = AdamWInverter(opt)
+
+    def scaled_step(overflow: bool) -> None:
+        opt.zero_grad()
+        loss = layer(torch.randn(3, 8)).pow(2).sum() * (math.inf if overflow else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    scaled_step(False)
+    inv.mark()
+    before = words(layer.weight)
+    scaled_step(True)
+    assert gate_of(inv, layer.weight) == "unchanged"
+    assert np.array_equal(words(layer.weight), before)
+    scaled_step(False)
+    plan = inv.plan(layer.weight)
+    assert isinstance(plan, Inversion)
+    part = plan.chunk(0, plan.numel)
+    assert part.certain.any()
+    assert np.array_equal(part.words[part.certain], before[part.certain])
