@@ -45,8 +45,8 @@ SAFETY = 2.0
 #: Below this magnitude an fp32 intermediate might be subnormal: its rounding error is not
 #: relative any more, so such elements are never certain.
 TINY = 2.0**-125
-#: Elements reconstructed per chunk by :meth:`Inversion.chunks` (float64 temporaries: about
-#: 100 bytes per element of the chunk).
+#: Elements reconstructed per chunk by :meth:`Inversion.chunks` (float64 temporaries: a peak
+#: of about 90 bytes per element of the chunk, 90 MiB at this size).
 DEFAULT_CHUNK = 1 << 20
 #: Largest relative scalar uncertainty accepted before a step is gated.
 MAX_SCALAR_ERROR = 1e-3
