@@ -16,10 +16,10 @@ docs/design/snapshot-free.md): ``B = 2 * ((u*|p| + E_upd*|U|) / d + E_wt*|x| + g
 + g*|x|)``, ``u = 2**-24``, ``g = 2**-50``. An element is *certain* when every fp32 value in
 ``[x - B, x + B]`` casts to the same bf16 word (round to nearest even, as torch's cast):
 rounding is monotone, so it suffices that the interval lies strictly between the two rounding
-ties (fp32 values) around ``x``. The bound is not a
-substitute for verification: fed a wrong lr, a certain element can be wrong.
+ties (fp32 values) around ``x``. The bound is not a substitute for verification: fed a wrong
+lr, a certain element can be wrong.
 
-Pure numpy below :class:`AdamWInverter`; torch is imported only when an optimizer is attached.
+Pure numpy below :class:`AdamWInverter`; torch is imported only in :meth:`AdamWInverter.plan`.
 Units: element counts and element offsets in the parameter's C order; words are ``<u2``
 (bf16 bit patterns, little-endian).
 """
@@ -46,7 +46,7 @@ SAFETY = 2.0
 #: relative any more, so such elements are never certain.
 TINY = 2.0**-125
 #: Elements reconstructed per chunk by :meth:`Inversion.chunks` (float64 temporaries: a peak
-#: of about 90 bytes per element of the chunk, 90 MiB at this size).
+#: of about 41 bytes per element of the chunk, 41 MiB at this size).
 DEFAULT_CHUNK = 1 << 20
 #: Largest relative scalar uncertainty accepted before a step is gated.
 MAX_SCALAR_ERROR = 1e-3
@@ -206,31 +206,35 @@ def reconstruct_chunk(
     after the step. Non-finite inputs give non-finite ``x`` or ``B``. Pure, thread-safe;
     float64 temporaries of the chunk's size."""
     d = coef.decay
+    alpha = coef.step_size
     with np.errstate(all="ignore"):
         p = param.astype(np.float64)
-        m = exp_avg.astype(np.float64)
-        den = np.sqrt(exp_avg_sq.astype(np.float64))
+        update = exp_avg.astype(np.float64)
+        den = exp_avg_sq.astype(np.float64)
+        np.sqrt(den, out=den)
         den /= coef.bc2_sqrt
         den += coef.eps
-        am = np.abs(m)
-        exposed = (am != 0) & (am / den < TINY)
-        update = m * coef.step_size
+        scratch = np.abs(update)
+        # alpha*|m|, |m|/den and |U| = alpha*|m|/den are all >= TINY exactly when
+        # |m| >= TINY * max(1/alpha, den * max(1, 1/alpha)).
+        exposed = den * (TINY * max(1.0, 1.0 / alpha) if alpha > 0 else math.inf)
+        np.maximum(exposed, TINY / alpha if alpha > 0 else math.inf, out=exposed)
+        exposed = scratch < exposed
+        exposed &= scratch != 0
+        exposed |= (np.abs(param) < TINY) & (param != 0)
+        update *= alpha
         update /= den
-        x = p + update
+        abs_u = np.abs(update, out=den)
+        x = np.add(p, update, out=update)
         x /= d
-        abs_p = np.abs(p)
-        abs_u = np.abs(update)
-        abs_x = np.abs(x)
-        bound = (U32 + G64) * abs_p
-        bound += (coef.update_rel + G64) * abs_u
-        bound /= d
-        bound += (coef.weight_rel + G64) * abs_x
-        bound *= SAFETY
-        exposed |= (abs_p < TINY) & (p != 0)
-        exposed |= abs_x * d < TINY
-        # sqrt of a subnormal v is correctly rounded and normal: v itself needs no check.
-        am *= coef.step_size
-        exposed |= (am != 0) & ((am < TINY) | (abs_u < TINY))
+        bound = np.abs(p, out=p)
+        bound *= SAFETY * (U32 + G64) / d
+        np.multiply(abs_u, SAFETY * (coef.update_rel + G64) / d, out=scratch)
+        bound += scratch
+        np.abs(x, out=scratch)
+        exposed |= scratch < TINY / d
+        scratch *= SAFETY * (coef.weight_rel + G64)
+        bound += scratch
     return x, bound, exposed
 
 
@@ -240,8 +244,9 @@ def invert_chunk(
     """Previous bf16 words and the certain mask of one chunk.
 
     ``param``, ``exp_avg``, ``exp_avg_sq``: 1-D float32 arrays of equal length, the values
-    after the step. Returns ``(words, certain)``: ``<u2`` words (bf16 of the reconstruction;
-    where ``certain`` is True, provably the bf16 word of the value before the step) and a bool
+    after the step. Returns ``(words, certain)``: ``<u2`` words (bf16 of the reconstruction, a
+    best guess; where ``certain`` is True, provably the bf16 word of the value before the
+    step; for a NaN reconstruction no particular word) and a bool
     mask. An element is certain when ``[|x| - B, |x| + B]`` lies strictly between the two
     bf16 rounding ties around ``|x|`` (then every fp32 value within the bound, the true one
     included, casts to the same word; the float64 rounding of ``|x| +- B`` is far inside the
@@ -254,19 +259,29 @@ def invert_chunk(
     temporaries of the chunk's size."""
     x, bound, exposed = reconstruct_chunk(param, exp_avg, exp_avg_sq, coef)
     with np.errstate(all="ignore"):
-        words = bf16_words(x.astype(np.float32))
+        bits = x.astype(np.float32).view(np.uint32)
+        rounded = bits >> 16
+        rounded &= 1
+        rounded += 0x7FFF
+        rounded += bits
+        rounded >>= 16
+        words = rounded.astype("<u2")
         # The fp32 magnitudes that round to this word lie between the two ties around it
         # (exact fp32 values; for the zero word the lower one wraps to NaN: never certain).
-        mag = (words & 0x7FFF).astype(np.uint32) << 16
-        low = (mag - 0x8000).view(np.float32).astype(np.float64)
-        high = (mag + 0x8000).view(np.float32).astype(np.float64)
-        ax = np.abs(x)
-        certain = ax - bound > low
-        certain &= ax + bound < high
+        rounded &= 0x7FFF
+        rounded <<= 16
+        ax = np.abs(x, out=x)
+        edge = np.subtract(ax, bound)
+        certain = edge > (rounded - 0x8000).view(np.float32)
+        np.add(ax, bound, out=edge)
+        certain &= edge < (rounded + 0x8000).view(np.float32)
         certain &= ~exposed
-    kept_zero = (param == 0) & (exp_avg == 0) & ~np.signbit(exp_avg)
-    certain |= kept_zero
-    words[kept_zero] = bf16_words(param[kept_zero])
+    zeros = np.flatnonzero(param == 0)
+    if zeros.size:
+        m = exp_avg[zeros]
+        kept = zeros[(m == 0) & ~np.signbit(m)]
+        certain[kept] = True
+        words[kept] = (param[kept].view(np.uint32) >> 16).astype("<u2")
     return words, certain
 
 
