@@ -217,9 +217,10 @@ def reconstruct_chunk(
         scratch = np.abs(update)
         # alpha*|m|, |m|/den and |U| = alpha*|m|/den are all >= TINY exactly when
         # |m| >= TINY * max(1/alpha, den * max(1, 1/alpha)).
-        exposed = den * (TINY * max(1.0, 1.0 / alpha) if alpha > 0 else math.inf)
-        np.maximum(exposed, TINY / alpha if alpha > 0 else math.inf, out=exposed)
-        exposed = scratch < exposed
+        floor = den * (TINY * max(1.0, 1.0 / alpha) if alpha > 0 else math.inf)
+        np.maximum(floor, TINY / alpha if alpha > 0 else math.inf, out=floor)
+        exposed = scratch < floor
+        del floor
         exposed &= scratch != 0
         exposed |= (np.abs(param) < TINY) & (param != 0)
         update *= alpha
