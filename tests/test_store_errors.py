@@ -426,17 +426,17 @@ def test_one_attempt_is_one_request_no_hidden_retries() -> None:
     from deltastore.store.s3 import S3Store
 
     server = socket.create_server(("127.0.0.1", 0))
-    server.settimeout(0.5)  # the accept loop ends 0.5 s after the last connection
     accepted: list[int] = []
 
     def hang_up() -> None:
         while True:
             try:
                 conn, _ = server.accept()
-            except OSError:  # timed out: no more connections
+            except OSError:  # timed out (no more connections) or closed
                 return
             accepted.append(1)
             conn.close()
+            server.settimeout(2.0)  # after the first: the loop ends 2 s after the last one
 
     thread = threading.Thread(target=hang_up, daemon=True)
     thread.start()
