@@ -96,6 +96,20 @@ class Tally:
     outside: int = 0
     per_step: list[float] = field(default_factory=list)
 
+    @property
+    def fraction(self) -> float:
+        """Uncertain elements over all elements, summed over the steps."""
+        return self.uncertain / self.elements
+
+    def summary(self) -> str:
+        """The uncertain fractions, as printed by the tests."""
+        return (
+            f"uncertain {self.fraction:.2e} of elements, "
+            f"{self.uncertain / max(self.changed, 1):.2e} of changed ({self.changed} changed), "
+            f"after the first step mean {np.mean(self.per_step[1:]):.2e}, "
+            f"worst {max(self.per_step[1:]):.2e}"
+        )
+
 
 def train(
     model: TinyLM,
@@ -170,15 +184,10 @@ def test_certain_elements_are_exact(impl: str, lr: float, wd: float) -> None:
     model = TinyLM(vocab=256, dim=64, hidden=128, blocks=2)
     opt = torch.optim.AdamW(groups(model, lr, wd), **IMPLS[impl])
     tally = train(model, opt, 12, batch=(4, 17), check_bound=True, chunk=4096)
-    frac = tally.uncertain / tally.elements
-    print(
-        f"\n{impl} lr={lr} wd={wd}: uncertain {frac:.2e} of elements, "
-        f"{tally.uncertain / max(tally.changed, 1):.2e} of changed ({tally.changed} changed), "
-        f"{np.mean(tally.per_step[1:]):.2e} of elements after the first step"
-    )
+    print(f"\n{impl} lr={lr} wd={wd}: {tally.summary()}")
     assert tally.wrong == 0
     assert tally.outside == 0
-    assert frac < 0.01
+    assert tally.fraction < 0.01
 
 
 def test_long_run_on_a_2m_model() -> None:
@@ -190,14 +199,9 @@ def test_long_run_on_a_2m_model() -> None:
     assert sum(p.numel() for p in model.parameters()) >= 2_000_000
     opt = torch.optim.AdamW(groups(model, 3e-4, 0.1), foreach=True)
     tally = train(model, opt, 300, batch=(2, 9), check_bound=False)
-    frac = tally.uncertain / tally.elements
-    print(
-        f"\nlong run: uncertain {frac:.2e} of elements, "
-        f"{tally.uncertain / max(tally.changed, 1):.2e} of changed, worst step after the "
-        f"first {max(tally.per_step[1:]):.2e}"
-    )
+    print(f"\nlong run: {tally.summary()}")
     assert tally.wrong == 0
-    assert frac < 1e-3
+    assert tally.fraction < 1e-3
     assert max(tally.per_step[1:]) < 0.01
 
 
