@@ -323,7 +323,7 @@ def test_one_codec_table() -> None:
     or a callable of its row in ``codecs.CODEC_TABLE``."""
     from deltastore.format.codecs import CODEC_TABLE, CODECS
 
-    names = {"RAW", "XOR_DENSE", "XOR_SPARSE", "XOR_SPARSE2", "RAW_PLANES"}
+    names = {"RAW", "XOR_DENSE", "XOR_SPARSE", "XOR_SPARSE2", "RAW_PLANES", "XOR_PATCH"}
 
     def is_codec(node: ast.AST) -> bool:
         if isinstance(node, ast.Constant):

@@ -31,6 +31,7 @@ from deltastore.format.codecs import (
     RAW_PLANES,
     SPARSE_HEADER,
     XOR_DENSE,
+    XOR_PATCH,
     XOR_SPARSE,
     XOR_SPARSE2,
     FrameDecoder,
@@ -693,8 +694,11 @@ def apply_changes(
     out = old.copy()
     for ch in dec.changes(codec, data, old.size, old.dtype.itemsize, changed):
         if ch.positions is not None:
-            assert ch.xor and ch.first == 0 and ch.positions.dtype == np.int64
-            out[ch.positions] ^= ch.words
+            assert ch.first == 0 and ch.positions.dtype == np.int64
+            if ch.xor:
+                out[ch.positions] ^= ch.words
+            else:
+                out[ch.positions] = ch.words
         elif ch.xor:
             out[ch.first : ch.first + ch.words.size] ^= ch.words
         else:
@@ -715,6 +719,12 @@ def test_changes_of_every_codec_rebuild_the_new_words(params: tuple[int, int, in
         XOR_SPARSE: enc.xor_sparse(positions, masks),
         XOR_SPARSE2: v2.xor_sparse2(positions, masks),
         RAW_PLANES: v2.raw_planes(new),
+        # every other change sent as its absolute new word
+        XOR_PATCH: enc.xor_patch(
+            positions,
+            np.where(np.arange(k) % 2 == 1, new[positions], masks),
+            np.arange(k) % 2 == 1,
+        ),
     }
     assert set(frames) == set(codecs.CODECS)
     for codec, data in frames.items():

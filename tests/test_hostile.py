@@ -87,11 +87,13 @@ from deltastore.format.codecs import (
     RAW,
     RAW_PLANES,
     XOR_DENSE,
+    XOR_PATCH,
     XOR_SPARSE,
     XOR_SPARSE2,
     FrameDecoder,
     FrameEncoder,
 )
+from deltastore.format.codecs.patch import patch_bounds
 from deltastore.format.codecs.v2 import SPARSE2_HEADER, FrameEncoder2, sparse2_bounds
 from deltastore.format.dtypes import word_dtype
 from deltastore.format.manifest import manifest_key, parse_latest, parse_manifest
@@ -981,6 +983,8 @@ def content_limit(codec: str, n: int, size: int, changed: int) -> int:
         return codecs.sparse_bound(n, size)
     if codec == XOR_SPARSE2:
         return sparse2_bounds(n, size, changed)[1] if 0 <= changed <= n else 0
+    if codec == XOR_PATCH:
+        return patch_bounds(n, size, changed)[1] if 1 <= changed <= n else 0
     return n * size
 
 
@@ -1000,6 +1004,13 @@ def decode_checked(
             assert pos is not None and pos.size == masks.size == changed
             assert pos.size == 0 or (int(pos[0]) >= 0 and int(pos[-1]) < n)
             assert bool(np.all(np.diff(pos) > 0)) and bool(masks.all())
+        elif codec == XOR_PATCH:
+            parts = list(DECODER.changes(codec, data, n, size, changed))
+            assert [p.xor for p in parts] in ([True], [False], [True, False])
+            pos = np.concatenate([p.positions for p in parts if p.positions is not None])
+            assert pos.size == changed and np.unique(pos).size == changed
+            assert int(pos.min()) >= 0 and int(pos.max()) < n
+            assert all(p.words.all() for p in parts if p.xor)
         elif codec in (RAW, RAW_PLANES):
             out = np.empty(n, dtype=word_dtype(size))
             DECODER.decode_into(codec, data, out)
@@ -1035,6 +1046,12 @@ def frame_cases(draw: st.DrawFn, *, mutate: bool) -> tuple[str, bytes, int, int,
         pos = np.sort(rng.choice(n, size=changed, replace=False)).astype(np.int64)
         masks = rng.integers(1, 256, changed).astype(word_dtype(size))
         data = enc.xor_sparse(pos, masks) if codec == XOR_SPARSE else enc2.xor_sparse2(pos, masks)
+    elif codec == XOR_PATCH:
+        changed = draw(st.integers(1, n))
+        pos = np.sort(rng.choice(n, size=changed, replace=False)).astype(np.int64)
+        words = rng.integers(0, 256, changed).astype(word_dtype(size))
+        absolute = (rng.random(changed) < 0.5) | (words == 0)
+        data = enc.xor_patch(pos, words, absolute)
     else:
         words = rng.integers(0, 4, n * size, dtype=np.uint8).view(word_dtype(size))
         data = {RAW: enc.raw, XOR_DENSE: enc.xor_dense, RAW_PLANES: enc2.raw_planes}[codec](words)
@@ -1043,6 +1060,7 @@ def frame_cases(draw: st.DrawFn, *, mutate: bool) -> tuple[str, bytes, int, int,
         if draw(st.booleans()):
             n = draw(st.integers(1, 4000))
             changed = draw(st.integers(0, n)) if codec in (XOR_SPARSE, XOR_SPARSE2) else n
+            changed = draw(st.integers(1, n)) if codec == XOR_PATCH else changed
             size = draw(st.sampled_from([1, 2, 4, 8]))
     return codec, data, n, size, changed
 
@@ -1072,7 +1090,7 @@ def test_fuzz_decoder_on_random_bytes(
     header: bytes, body: bytes, codec: str, n: int, size: int, magic: bool
 ) -> None:
     data = (struct.pack("<I", 0xFD2FB528) if magic else b"") + header + body
-    changed = min(n, len(body)) if codec in (XOR_SPARSE, XOR_SPARSE2) else n
+    changed = min(n, len(body)) if codec in (XOR_SPARSE, XOR_SPARSE2, XOR_PATCH) else n
     decode_checked(codec, data, n, size, changed, "fuzz: decoder, random bytes")
 
 
@@ -1105,7 +1123,7 @@ def test_fuzz_decoder_on_hostile_headers(
     data = zstd_frame(payload, content_size=content, window_log=window_log, fcs_bytes=fcs_bytes)
     header = SPARSE2_HEADER if codec == XOR_SPARSE2 else codecs.SPARSE_HEADER
     changed = min(n, max(0, (len(payload) - header) // (1 + size)))
-    changed = changed if codec in (XOR_SPARSE, XOR_SPARSE2) else n
+    changed = changed if codec in (XOR_SPARSE, XOR_SPARSE2, XOR_PATCH) else n
     decode_checked(codec, data, n, size, changed, "fuzz: decoder, hostile headers")
 
 

@@ -1,5 +1,6 @@
-"""Frame codecs of format v1: ``raw``, ``xor-dense``, ``xor-sparse`` (deltastore 0.1.0) and
-``xor-sparse2``, ``raw-planes`` (from deltastore 0.2.0, in :mod:`deltastore.format.codecs.v2`).
+"""Frame codecs of format v1: ``raw``, ``xor-dense``, ``xor-sparse`` (deltastore 0.1.0),
+``xor-sparse2``, ``raw-planes`` (from deltastore 0.2.0, in :mod:`deltastore.format.codecs.v2`)
+and ``xor-patch`` (from deltastore 0.3.0, in :mod:`deltastore.format.codecs.patch`).
 
 A frame covers elements ``[start, stop)`` of one tensor; ``n = stop - start`` elements of
 ``s`` bytes each (the dtype's size), handled as little-endian unsigned words. Every stored frame
@@ -21,6 +22,12 @@ is exactly one zstd frame whose header carries the content size. Decompressed co
     bits (spec section 8.2.4).
 ``raw-planes``
     the ``n * s`` new bytes as ``s`` byte planes of ``n`` bytes (spec section 8.2.5).
+``xor-patch``
+    (from deltastore 0.3.0, in :mod:`deltastore.format.codecs.patch`) entries coded as
+    ``xor-sparse2``'s changes plus one flag per entry: the word is an XOR mask (never zero)
+    or the element's absolute new word (spec section 8.2.6). Written only on request
+    (:meth:`FrameEncoder.xor_patch`, by the snapshot-free publisher), never picked by
+    :meth:`FrameEncoder.encode_delta`.
 
 Decoders never allocate more than the frame's declared size: the zstd content size is checked
 against the bound the manifest implies before anything is decompressed.
@@ -51,6 +58,13 @@ import numpy as np
 import zstandard
 
 from deltastore.errors import FrameError
+from deltastore.format.codecs.patch import (
+    XOR_PATCH,
+    decode_patch,
+    encode_patch,
+    patch_bound,
+    patch_bounds,
+)
 from deltastore.format.codecs.v2 import (
     ESCAPE,
     RAW_PLANES,
@@ -69,12 +83,15 @@ from deltastore.format.codecs.zstdframe import (
 from deltastore.format.dtypes import word_dtype
 
 #: Every codec name of format v1 (the rows of :data:`CODEC_TABLE`, in the same order).
-Codec = Literal["raw", "xor-dense", "xor-sparse", "xor-sparse2", "raw-planes"]
+Codec = Literal["raw", "xor-dense", "xor-sparse", "xor-sparse2", "raw-planes", "xor-patch"]
 RAW: Final = "raw"
 XOR_DENSE: Final = "xor-dense"
 XOR_SPARSE: Final = "xor-sparse"
-#: Which codecs a writer uses: ``"v1"`` only :data:`CODECS_V1` (frames every deltastore
-#: reads), ``"v2"`` all of :data:`CODECS` (read from deltastore 0.2.0).
+#: Which codecs a writer *picks* (:meth:`FrameEncoder.encode_delta`,
+#: :meth:`FrameEncoder.new_words`): ``"v1"`` only :data:`CODECS_V1` (frames every deltastore
+#: reads), ``"v2"`` also ``xor-sparse2`` and ``raw-planes`` (read from deltastore 0.2.0).
+#: ``xor-patch`` is in no codec set: it is written only when asked for
+#: (:meth:`FrameEncoder.xor_patch`) and read from deltastore 0.3.0.
 CodecSet = Literal["v1", "v2"]
 CODEC_SETS: Final = ("v1", "v2")
 #: Largest frame (bytes of the elements it covers, ``n * s``) a publisher cuts, and the
@@ -151,10 +168,12 @@ class Changes:
     """What one frame, or one run of it, changes; element positions are frame-relative.
 
     Sparse (``positions`` is not None, ``first`` is 0): the elements at ``positions`` (int64,
-    strictly ascending, each below the frame's ``n``) change by ``words``, their XOR masks
-    (never zero; ``xor`` is True). Dense (``positions`` is None): ``words`` covers the run of
-    elements ``[first, first + words.size)``; they are the new words when ``xor`` is False
-    (``raw``), else ``old XOR new`` (``xor-dense``: a zero word is an unchanged element).
+    strictly ascending, each below the frame's ``n``) change by ``words``: their XOR masks
+    when ``xor`` is True (never zero), else their new words (``xor-patch``'s absolute
+    entries; a new word may equal the old one, and then the element does not change).
+    Dense (``positions`` is None): ``words`` covers the run of elements
+    ``[first, first + words.size)``; they are the new words when ``xor`` is False (``raw``),
+    else ``old XOR new`` (``xor-dense``: a zero word is an unchanged element).
     Words are unsigned little-endian (:func:`~deltastore.format.dtypes.word_dtype`). A dense
     run's ``words`` is a view of the decoder's reused buffer, valid until its iterator moves on.
     """
@@ -179,7 +198,20 @@ class FrameEncoder:
         self._cctx = zstandard.ZstdCompressor(
             level=1 if level is None else level, write_content_size=True
         )
+        self._level = level
         self._v2 = FrameEncoder2(level) if codecs == "v2" else None
+        self._patch = self._v2
+
+    def xor_patch(self, positions: np.ndarray, words: np.ndarray, absolute: np.ndarray) -> bytes:
+        """``xor-patch`` frame (whatever :attr:`codecs`: a reader from deltastore 0.3.0 needs
+        it) of ``k >= 1`` entries: strictly increasing frame-local ``positions`` (int64),
+        ``words`` (unsigned little-endian words of the dtype's size,
+        :func:`~deltastore.format.dtypes.word_dtype`) that are the XOR masks (non-zero) or,
+        where ``absolute`` (bool) is True, the elements' new words; all three the same length.
+        Its manifest entry declares ``changed = k``. :class:`ValueError` otherwise."""
+        if self._patch is None:
+            self._patch = FrameEncoder2(self._level)
+        return encode_patch(self._patch, positions, words, absolute)
 
     def raw(self, new: np.ndarray) -> bytes:
         """``raw`` frame of the new words."""
@@ -268,6 +300,8 @@ class FrameDecoder:
         sparse :class:`Changes` for ``xor-sparse`` and ``xor-sparse2`` (decoded at once,
         ``changed`` checked), else dense runs of at most :data:`CHUNK_BYTES` bytes, in order
         (``raw`` and ``xor-dense`` decoded as the iterator advances, ``raw-planes`` at once).
+        ``xor-patch``: up to two sparse :class:`Changes`, its XOR entries (``xor`` True) then
+        its absolute entries (``xor`` False: new words), a part without entries left out.
         The content size is checked against the frame's bound before anything is
         decompressed; :class:`FrameError` for a damaged frame or an unknown codec (at once)."""
         return codec_spec(codec).changes(self, data, n, size, changed)
@@ -369,12 +403,13 @@ class CodecSpec:
     Frozen; the decoder callables take the calling thread's :class:`FrameDecoder`."""
 
     name: Codec
-    #: The first codec set that writes it: ``"v1"`` (deltastore 0.1.0) or ``"v2"`` (0.2.0).
-    codec_set: CodecSet
+    #: The first codec set that writes it: ``"v1"`` (deltastore 0.1.0) or ``"v2"`` (0.2.0);
+    #: None for a codec in no codec set, written only on request (``xor-patch``, 0.3.0).
+    codec_set: CodecSet | None
     #: Its frames carry the new words (every frame of an anchor is of such a codec); the
     #: others carry XOR masks, applied to the parent's words (:attr:`needs_parent`).
     new_words: bool
-    #: Its frames hold only the changed elements (positions and masks), not every element.
+    #: Its frames hold only some elements (positions and words), not every element.
     sparse: bool
     #: ``(n, size) ->`` the largest decompressed content (bytes) of a frame of ``n``
     #: elements of ``size`` bytes, whatever its ``changed``: what a reader plans memory for.
@@ -439,6 +474,19 @@ def _planes_changes(
     return (Changes(words, False, first) for first, words in runs)
 
 
+def _patch_changes(
+    dec: FrameDecoder, data: bytes, n: int, size: int, changed: int
+) -> Iterator[Changes]:
+    positions, words, absolute = decode_patch(dec._v2, data, n, size, changed)
+    parts = []
+    if not absolute.all():
+        xor = ~absolute
+        parts.append(Changes(words[xor], True, 0, positions[xor]))
+    if absolute.any():
+        parts.append(Changes(words[absolute], False, 0, positions[absolute]))
+    return iter(parts)
+
+
 def _raw_into(dec: FrameDecoder, data: bytes, out: np.ndarray) -> None:
     dec.into(data, out)
 
@@ -469,6 +517,9 @@ CODEC_TABLE: Final[Mapping[str, CodecSpec]] = MappingProxyType(
             _dense_range,
             _planes_changes,
             _planes_into,
+        ),
+        XOR_PATCH: CodecSpec(
+            XOR_PATCH, None, False, True, patch_bound, patch_bounds, _patch_changes
         ),
     }
 )
@@ -502,6 +553,7 @@ __all__ = [
     "RAW_PLANES",
     "SPARSE_HEADER",
     "XOR_DENSE",
+    "XOR_PATCH",
     "XOR_SPARSE",
     "XOR_SPARSE2",
     "Changes",

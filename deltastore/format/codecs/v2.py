@@ -190,6 +190,109 @@ def _low_planes(gaps: np.ndarray, low_bits: int) -> list[bytes]:
     return _planes(low.astype(word_dtype(2 if width == 2 else 4)))[:width]
 
 
+# --- the position coding (shared by ``xor-sparse2`` and ``xor-patch``) ----------------------
+
+
+def position_gaps(positions: np.ndarray, codec: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(positions, gaps)`` as int64 of a non-empty writer's position list: ``gaps[i]`` is
+    the number of elements skipped before position ``i``; :class:`ValueError` unless the
+    positions are strictly increasing and in ``[0, 2^32 - 1)``."""
+    pos = positions.astype(np.int64, copy=False)
+    if int(pos[0]) < 0 or int(pos[-1]) >= MAX_SPARSE2_ELEMENTS:
+        raise ValueError(f"{codec} positions must be in [0, 2^32 - 1)")
+    gaps = np.diff(pos, prepend=-1)
+    gaps -= 1
+    if int(gaps.min()) < 0:
+        raise ValueError(f"{codec} needs strictly increasing positions")
+    return pos, gaps
+
+
+def position_parts(
+    pos: np.ndarray, gaps: np.ndarray, low_bits: int | None = None
+) -> tuple[bytes, list[bytes]]:
+    """The 12-byte header ``<u32 k><u32 e><u8 L><3 zero bytes>`` and the sections that code
+    ``k`` positions (from :func:`position_gaps`): ``[tokens, *low-bit planes, *escape
+    planes]`` (spec section 8.2.4). ``low_bits`` overrides the writer's ``L``
+    (:func:`choose_low_bits`); :class:`ValueError` outside 0..:data:`MAX_LOW_BITS`."""
+    k = int(pos.size)
+    if low_bits is None:
+        low_bits = choose_low_bits(k, int(pos[-1]) + 1)
+    if not 0 <= low_bits <= MAX_LOW_BITS:
+        raise ValueError(f"low_bits must be in 0..{MAX_LOW_BITS}")
+    high = gaps >> low_bits
+    tokens = np.minimum(high, ESCAPE).astype(np.uint8)
+    escaped = high[tokens == ESCAPE]
+    escaped -= ESCAPE
+    header = _HEADER.pack(k, int(escaped.size), low_bits, b"\0\0\0")
+    return header, [
+        tokens.tobytes(),
+        *_low_planes(gaps, low_bits),
+        *(_planes(escaped.astype("<u4")) if escaped.size else []),
+    ]
+
+
+def read_header(raw: bytes, n: int, codec: str) -> tuple[int, int, int]:
+    """``(k, e, L)`` of the 12-byte header at the start of a decompressed ``xor-sparse2`` or
+    ``xor-patch`` frame of ``n`` elements; :class:`FrameError` for non-zero reserved bytes,
+    ``L`` above :data:`MAX_LOW_BITS` or more escapes than :func:`max_escapes` allows."""
+    k, e, low_bits, reserved = _HEADER.unpack_from(raw, 0)
+    if reserved != b"\0\0\0" or low_bits > MAX_LOW_BITS or e > max_escapes(n, k):
+        raise FrameError(
+            f"{codec} header is invalid (L={low_bits}, {e} escapes of {k} changes, "
+            f"reserved {reserved.hex()})"
+        )
+    return int(k), int(e), int(low_bits)
+
+
+def decode_positions(
+    raw: bytes, n: int, k: int, e: int, low_bits: int, codec: str
+) -> tuple[np.ndarray, int]:
+    """The ``k >= 1`` positions (int64, strictly increasing, each below ``n``) coded after the
+    header of a decompressed frame whose length was checked, and the offset of the first byte
+    after their sections; :class:`FrameError` for a low part wider than ``L`` bits, escape
+    tokens that disagree with ``e``, or a position past the frame's end. O(k), vectorized."""
+    tokens = np.frombuffer(raw, dtype=np.uint8, count=k, offset=SPARSE2_HEADER)
+    offset = SPARSE2_HEADER + k
+    width = _low_width(low_bits)
+    low = _unplanes(raw, offset, k, width, np.dtype("<u4")) if width > 1 else None
+    if width == 1:
+        low = np.frombuffer(raw, dtype=np.uint8, count=k, offset=offset)
+    offset += width * k
+    if low is not None and int(low.max()) >> low_bits:
+        raise FrameError(f"{codec} low part does not fit its {low_bits} bits")
+    shift = np.uint64(low_bits)
+    if e:
+        at = np.flatnonzero(tokens == ESCAPE)
+        if at.size != e:
+            raise FrameError(f"{codec} frame has {at.size} escape tokens and {e} escapes")
+        gaps = tokens.astype(np.uint64)  # the high parts first
+        gaps[at] += _unplanes(raw, offset, e, 4)
+        top = int(gaps.max())
+        if top <= (n - 1) >> low_bits:
+            gaps <<= shift
+    else:
+        top = int(tokens.max())
+        if top == ESCAPE:
+            raise FrameError(f"{codec} frame has escape tokens and no escapes")
+        gaps = np.left_shift(tokens, shift, dtype=np.uint64)
+    offset += 4 * e
+    if top > (n - 1) >> low_bits:
+        raise FrameError(f"{codec} gap points past the end of the frame")
+    if low is not None:
+        gaps |= low
+    # every gap is below (top + 1) << L; if k of them could wrap a 64-bit sum (only for
+    # billions of changes in one frame), check each gap against the frame first
+    if k * ((top + 1) << low_bits) >= 1 << 64 and int(gaps.max()) >= n:
+        raise FrameError(f"{codec} gap points past the end of the frame")
+    # positions: pos[0] = gap[0], pos[i] = pos[i - 1] + 1 + gap[i]
+    gaps += np.uint64(1)
+    gaps[0] -= np.uint64(1)
+    positions = np.cumsum(gaps, out=gaps)
+    if int(positions[-1]) >= n:
+        raise FrameError(f"{codec} position {int(positions[-1])} is past the frame's {n} elements")
+    return positions.view(np.int64), offset
+
+
 # --- zstd frames ------------------------------------------------------------------------------
 
 
@@ -207,9 +310,9 @@ class FrameEncoder2:
         else:
             self._cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
 
-    def _compress(self, parts: list[bytes], *, blocks: bool = True) -> bytes:
+    def compress_parts(self, parts: list[bytes], *, blocks: bool = True) -> bytes:
         """One zstd frame of the concatenated parts; with ``blocks``, each part starts a new
-        zstd block (its own Huffman table)."""
+        zstd block (its own Huffman table). Shared with ``xor-patch``."""
         if not blocks:
             return bytes(self._cctx.compress(b"".join(parts)))
         parts = [part for part in parts if part]
@@ -233,30 +336,13 @@ class FrameEncoder2:
         if masks.size != k:
             raise ValueError("positions and masks differ in length")
         if k == 0:
-            return self._compress([_HEADER.pack(0, 0, 0, b"\0\0\0")], blocks=False)
-        pos = positions.astype(np.int64, copy=False)
-        if int(pos[0]) < 0 or int(pos[-1]) >= MAX_SPARSE2_ELEMENTS:
-            raise ValueError("xor-sparse2 positions must be in [0, 2^32 - 1)")
-        gaps = np.diff(pos, prepend=-1)
-        gaps -= 1
-        if int(gaps.min()) < 0 or not masks.all():
+            return self.compress_parts([_HEADER.pack(0, 0, 0, b"\0\0\0")], blocks=False)
+        pos, gaps = position_gaps(positions, XOR_SPARSE2)
+        if not masks.all():
             raise ValueError("xor-sparse2 needs strictly increasing positions, non-zero masks")
-        if low_bits is None:
-            low_bits = choose_low_bits(k, int(pos[-1]) + 1)
-        if not 0 <= low_bits <= MAX_LOW_BITS:
-            raise ValueError(f"low_bits must be in 0..{MAX_LOW_BITS}")
-        high = gaps >> low_bits
-        tokens = np.minimum(high, ESCAPE).astype(np.uint8)
-        escaped = high[tokens == ESCAPE]
-        escaped -= ESCAPE
-        header = _HEADER.pack(k, int(escaped.size), low_bits, b"\0\0\0")
-        return self._compress(
-            [
-                header + tokens.tobytes(),
-                *_low_planes(gaps, low_bits),
-                *(_planes(escaped.astype("<u4")) if escaped.size else []),
-                *_planes(masks),
-            ],
+        header, parts = position_parts(pos, gaps, low_bits)
+        return self.compress_parts(
+            [header + parts[0], *parts[1:], *_planes(masks)],
             blocks=k >= BLOCKS_MIN_CHANGES,
         )
 
@@ -309,18 +395,8 @@ class FrameDecoder2:
                 f"xor-sparse2 zstd frame declares {content} content bytes, not a size an "
                 f"xor-sparse2 frame of {changed} changes can have"
             )
-        try:
-            raw = self._dctx.decompress(data)
-        except zstandard.ZstdError as exc:
-            raise FrameError(f"xor-sparse2 frame does not decompress ({exc})") from None
-        if len(raw) != content:
-            raise FrameError(f"xor-sparse2 frame holds {len(raw)} bytes, not {content}")
-        k, e, low_bits, reserved = _HEADER.unpack_from(raw, 0)
-        if reserved != b"\0\0\0" or low_bits > MAX_LOW_BITS or e > max_escapes(n, k):
-            raise FrameError(
-                f"xor-sparse2 header is invalid (L={low_bits}, {e} escapes of {k} changes, "
-                f"reserved {reserved.hex()})"
-            )
+        raw = self.decompress_exact(data, content, XOR_SPARSE2)
+        k, e, low_bits = read_header(raw, n, XOR_SPARSE2)
         if k != changed or len(raw) != sparse2_size(k, size, low_bits, e):
             raise FrameError(
                 f"xor-sparse2 frame holds {k} changes in {len(raw)} bytes; "
@@ -328,51 +404,22 @@ class FrameDecoder2:
             )
         if k == 0:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=word_dtype(size))
-        tokens = np.frombuffer(raw, dtype=np.uint8, count=k, offset=SPARSE2_HEADER)
-        offset = SPARSE2_HEADER + k
-        width = _low_width(low_bits)
-        low = _unplanes(raw, offset, k, width, np.dtype("<u4")) if width > 1 else None
-        if width == 1:
-            low = np.frombuffer(raw, dtype=np.uint8, count=k, offset=offset)
-        offset += width * k
-        if low is not None and int(low.max()) >> low_bits:
-            raise FrameError(f"xor-sparse2 low part does not fit its {low_bits} bits")
-        shift = np.uint64(low_bits)
-        if e:
-            at = np.flatnonzero(tokens == ESCAPE)
-            if at.size != e:
-                raise FrameError(f"xor-sparse2 frame has {at.size} escape tokens and {e} escapes")
-            gaps = tokens.astype(np.uint64)  # the high parts first
-            gaps[at] += _unplanes(raw, offset, e, 4)
-            top = int(gaps.max())
-            if top <= (n - 1) >> low_bits:
-                gaps <<= shift
-        else:
-            top = int(tokens.max())
-            if top == ESCAPE:
-                raise FrameError("xor-sparse2 frame has escape tokens and no escapes")
-            gaps = np.left_shift(tokens, shift, dtype=np.uint64)
-        offset += 4 * e
-        if top > (n - 1) >> low_bits:
-            raise FrameError("xor-sparse2 gap points past the end of the frame")
-        if low is not None:
-            gaps |= low
-        # every gap is below (top + 1) << L; if k of them could wrap a 64-bit sum (only for
-        # billions of changes in one frame), check each gap against the frame first
-        if k * ((top + 1) << low_bits) >= 1 << 64 and int(gaps.max()) >= n:
-            raise FrameError("xor-sparse2 gap points past the end of the frame")
-        # positions: pos[0] = gap[0], pos[i] = pos[i - 1] + 1 + gap[i]
-        gaps += np.uint64(1)
-        gaps[0] -= np.uint64(1)
-        positions = np.cumsum(gaps, out=gaps)
-        if int(positions[-1]) >= n:
-            raise FrameError(
-                f"xor-sparse2 position {int(positions[-1])} is past the frame's {n} elements"
-            )
+        positions, offset = decode_positions(raw, n, k, e, low_bits, XOR_SPARSE2)
         masks = _unplanes(raw, offset, k, size)
         if not masks.all():
             raise FrameError("xor-sparse2 frame holds a zero mask (an element that did not change)")
-        return positions.view(np.int64), masks
+        return positions, masks
+
+    def decompress_exact(self, data: bytes, content: int, codec: str) -> bytes:
+        """The content of a frame whose declared ``content`` size was checked (by
+        :meth:`_content_size`), exactly that long; :class:`FrameError` otherwise."""
+        try:
+            raw = self._dctx.decompress(data)
+        except zstandard.ZstdError as exc:
+            raise FrameError(f"{codec} frame does not decompress ({exc})") from None
+        if len(raw) != content:
+            raise FrameError(f"{codec} frame holds {len(raw)} bytes, not {content}")
+        return raw
 
     def planes_into(self, data: bytes, out: np.ndarray) -> None:
         """Decode a ``raw-planes`` frame into ``out`` (contiguous unsigned words, exactly the
@@ -444,7 +491,11 @@ __all__ = [
     "FrameDecoder2",
     "FrameEncoder2",
     "choose_low_bits",
+    "decode_positions",
     "max_escapes",
+    "position_gaps",
+    "position_parts",
+    "read_header",
     "sparse2_bounds",
     "sparse2_possible",
     "sparse2_size",
