@@ -26,6 +26,8 @@ from deltastore.publish.reconstruct import (
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
+from tests.trainer import IMPLS, TinyLM, groups, warmup_cosine, words  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def one_torch_thread() -> Iterator[None]:
@@ -34,57 +36,6 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-class TinyLM(nn.Module):  # type: ignore[misc]
-    """Embedding, pre-LN MLP blocks (LayerNorm weights 1, zero biases), a head with a zero
-    bias: the shapes and initial values where a reconstruction is hardest."""
-
-    def __init__(self, vocab: int, dim: int, hidden: int, blocks: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(
-                nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
-            )
-            for _ in range(blocks)
-        )
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab)
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=0.02)
-                nn.init.zeros_(module.bias)
-
-    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens[:, :-1])
-        for block in self.blocks:
-            h = h + block(h)
-        logits = self.head(self.norm(h))
-        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-
-
-def words(t: torch.Tensor) -> np.ndarray:
-    """bf16 words of a tensor, flat (torch's own cast, the reference)."""
-    return (
-        t.detach().to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(-1).copy()
-    )
-
-
-def groups(model: TinyLM, lr: float, wd: float) -> list[dict[str, object]]:
-    """Two param groups: matrices with weight decay, vectors (biases, LayerNorm) without
-    decay at half the lr."""
-    mats = [p for p in model.parameters() if p.dim() > 1]
-    vecs = [p for p in model.parameters() if p.dim() <= 1]
-    return [
-        {"params": mats, "lr": lr, "weight_decay": wd},
-        {"params": vecs, "lr": lr / 2, "weight_decay": 0.0},
-    ]
-
-
-def warmup_cosine(steps: int) -> Callable[[int], float]:
-    warm = max(1, steps // 10)
-    return lambda i: (i + 1) / warm if i < warm else 0.5 * (1 + math.cos(math.pi * i / steps))
 
 
 @dataclass
@@ -167,9 +118,6 @@ def train(
 def _moments(opt: torch.optim.Optimizer, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     state = opt.state[p]
     return state["exp_avg"], state["exp_avg_sq"]
-
-
-IMPLS = {"foreach": {"foreach": True}, "fused": {"fused": True}, "single": {"foreach": False}}
 
 
 @pytest.mark.parametrize("wd", [0.0, 0.1])
