@@ -168,12 +168,17 @@ class Replay:
 
     def _decode(self, f: Frame, data: bytes, seg: np.ndarray, size: int) -> int:
         """Apply one stored frame to ``seg`` (the frame's elements, unsigned words, in place);
-        return how many elements changed. Decoded by the one codec dispatch
+        return how many elements changed, or for sparse changes how many entries the frame
+        holds (``xor-patch``: its absolute entries count, even one equal to the old word).
+        Decoded by the one codec dispatch
         (:meth:`~deltastore.format.codecs.FrameDecoder.changes`)."""
         changed = 0
         for ch in self.dec.changes(f.codec, data, f.stop - f.start, size, f.changed):
-            if ch.positions is not None:  # XOR masks, never zero: every position changes
-                seg[ch.positions] ^= ch.words
+            if ch.positions is not None:  # entries: XOR masks (never zero) or new words
+                if ch.xor:
+                    seg[ch.positions] ^= ch.words
+                else:
+                    seg[ch.positions] = ch.words
                 changed += int(ch.positions.size)
                 continue
             part = seg[ch.first : ch.first + ch.words.size]

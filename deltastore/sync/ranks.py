@@ -70,7 +70,14 @@ from deltastore.sync.apply import (
 )
 from deltastore.sync.fetch import Fetcher, FrameTask, Timer
 from deltastore.sync.group import Group
-from deltastore.sync.routing import Boxes, Segment, exchange, route, route_range
+from deltastore.sync.routing import (
+    Boxes,
+    Segment,
+    exchange,
+    route,
+    route_new_words,
+    route_range,
+)
 from deltastore.tensors import words
 from deltastore.tensors.dtypes import dtype_from_name, flat_words
 from deltastore.tensors.host import Tensors, TensorT
@@ -355,8 +362,11 @@ class LayoutSync:
             value, changed, new_words = 1, 0, False
             for ch in dec.changes(f.codec, data, n, size, f.changed):
                 if ch.positions is not None:  # many changes travel as a range of masks
-                    changed += ch.positions.size
-                    if ch.positions.size * DENSE >= n:
+                    changed += ch.positions.size  # entries (xor-patch: absolute ones too)
+                    if not ch.xor:  # new words (xor-patch): runs as ranges, others sparse
+                        at, new = ch.positions, ch.words
+                        route_new_words(ti, entry.shape, holders, f.start, at, new, routed)
+                    elif ch.positions.size * DENSE >= n:
                         masks = np.zeros(n, dtype=ch.words.dtype)
                         masks[ch.positions] = ch.words
                         route_range(

@@ -100,6 +100,39 @@ def route_range(
             )
 
 
+#: Fewest consecutive absolute entries (``xor-patch``) that :func:`route_new_words` sends as
+#: one dense range of new words (no positions, no copy counts) instead of one by one.
+ABSOLUTE_RUN = 64
+
+
+def route_new_words(
+    tensor: int,
+    shape: Sequence[int],
+    holders: Holders,
+    start: int,
+    pos: np.ndarray,
+    values: np.ndarray,
+    routed: list[list[Segment]],
+) -> None:
+    """Route new words (``values``) at sorted frame-local ``pos`` of a frame whose first
+    element is the tensor's element ``start``: each run of at least :data:`ABSOLUTE_RUN`
+    consecutive positions as a dense range (:func:`route_range`: a whole block sent as
+    absolute words costs its words only), the others with their positions (:func:`route`).
+    The receiver keeps only the words that differ from its own (new words, not masks)."""
+    if pos.size >= ABSOLUTE_RUN:
+        bounds = np.concatenate(([0], np.flatnonzero(np.diff(pos) != 1) + 1, [pos.size]))
+        lengths = np.diff(bounds)
+        for i in np.flatnonzero(lengths >= ABSOLUTE_RUN):  # one step per long run
+            a, b = int(bounds[i]), int(bounds[i + 1])
+            route_range(
+                tensor, shape, holders, start + int(pos[a]), values[a:b], routed, copy=False
+            )
+        rest = np.repeat(lengths < ABSOLUTE_RUN, lengths)
+        pos, values = pos[rest], values[rest]
+    if pos.size:
+        route(tensor, shape, holders, True, pos + start, values, routed)
+
+
 def exchange(group: Group, out: list[list[Segment]], dtypes: Sequence[str]) -> list[Segment]:
     """Rounds 1 and 2 of the exchange: ``out[r]`` goes to rank r; returns what this rank got.
     ``dtypes[t]`` is the dtype name of tensor index t."""
@@ -144,4 +177,4 @@ def exchange(group: Group, out: list[list[Segment]], dtypes: Sequence[str]) -> l
     return received
 
 
-__all__ = ["Segment", "exchange", "route", "route_range"]
+__all__ = ["ABSOLUTE_RUN", "Segment", "exchange", "route", "route_new_words", "route_range"]

@@ -62,6 +62,8 @@ def stage_frame(
     """Turn one fetched frame (``data``, its stored bytes) into its update of ``local`` (the
     tensor's flat words; reads only), checked against the frame's Adler-32: for sparse changes
     ``parent_adler32`` updated with them (O(changed)), for dense runs the new bytes themselves.
+    Sparse changes are XOR masks, or absolute new words (``xor-patch``); an absolute word equal
+    to the old one is left out of the update (the element does not change).
     In a ``delta``, the number of elements a dense frame changes must be its ``changed`` (an
     anchor may land on any older state). Thread-safe for distinct decoders.
 
@@ -74,16 +76,22 @@ def stage_frame(
     n = f.stop - f.start
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     frame_adler: int | None = 1  # None: from parent_adler32 and the sums (sparse changes)
+    sparse = 0  # sparse parts: xor-patch has two (XOR, then absolute entries), each ascending
     for ch in dec.changes(f.codec, data, n, size, f.changed):
-        if ch.positions is not None:  # every position changes
+        if ch.positions is not None:  # XOR masks: every position changes
             at = ch.positions
             if at.dtype != np.int64 or not at.flags.owndata or not at.flags.writeable:
                 at = at.astype(np.int64)  # ours to move: never the decoder's buffer
             if f.start:
                 at += f.start
-            old, new = stage_at(local, at, ch.words, xor=True)
+            old, new = stage_at(local, at, ch.words, xor=ch.xor)
+            if not ch.xor:  # absolute new words: one equal to the old word changes nothing
+                keep = np.flatnonzero(old != new)
+                if keep.size < at.size:
+                    at, old, new = at[keep], old[keep], new[keep]
             parts.append((at, old, new))
             frame_adler = None
+            sparse += 1
             continue
         old, new = stage_run(local, f.start + ch.first, ch.words, xor=ch.xor)
         if frame_adler is not None:
@@ -94,10 +102,13 @@ def stage_frame(
         pos, old, new = parts[0]
     else:
         pos, old, new = (np.concatenate(p) for p in zip(*parts, strict=True))
+        if sparse > 1:  # merge the parts' positions into one ascending list
+            order = np.argsort(pos, kind="stable")
+            pos, old, new = pos[order], old[order], new[order]
     sums = contribution(pos, old, new, entry.nbytes)  # of the tensor
     if frame_adler is None:
         if f.parent_adler32 is None:
-            raise ManifestError(f"{name}: xor-sparse frame without parent_adler32")
+            raise ManifestError(f"{name}: {f.codec} frame without parent_adler32")
         frame_adler = sums.within(n * size, f.start * size, entry.nbytes).applied_to(
             f.parent_adler32
         )
