@@ -27,7 +27,7 @@ Units: element counts and element offsets in the parameter's C order; words are 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -286,6 +286,26 @@ def invert_chunk(
     return words, certain
 
 
+_InvertFn = Callable[
+    [np.ndarray, np.ndarray, np.ndarray, Coefficients], tuple[np.ndarray, np.ndarray]
+]
+_kernel: list[_InvertFn] = []
+
+
+def _fast_invert() -> _InvertFn:
+    """The compiled kernel (:mod:`deltastore.publish.invert_kernel`, bit-identical to
+    :func:`invert_chunk`, numba) when it imports, else :func:`invert_chunk`; imported on the
+    first reconstruction only."""
+    if not _kernel:
+        kernel: _InvertFn
+        try:
+            from deltastore.publish.invert_kernel import invert_chunk as kernel
+        except ImportError:  # numba missing or not built for this platform
+            kernel = invert_chunk
+        _kernel.append(kernel)
+    return _kernel[0]
+
+
 @dataclass(frozen=True)
 class ReconstructedChunk:
     """Elements ``[start, start + len(words))`` of a parameter (flat, C order): ``words``, the
@@ -318,7 +338,7 @@ class Inversion:
         """Elements ``[start, stop)`` (clipped to the parameter)."""
         start, stop = max(0, start), min(stop, self.numel)
         arrays = [t[start:stop].cpu().numpy() for t in self._flat]
-        words, certain = invert_chunk(arrays[0], arrays[1], arrays[2], self.coefficients)
+        words, certain = _fast_invert()(arrays[0], arrays[1], arrays[2], self.coefficients)
         return ReconstructedChunk(start, words, certain)
 
     def chunks(self, chunk_elements: int = DEFAULT_CHUNK) -> Iterator[ReconstructedChunk]:

@@ -1,0 +1,331 @@
+"""A fused one-pass kernel (numba) for the AdamW inverse of :mod:`deltastore.publish.reconstruct`.
+
+:func:`invert_chunk` returns exactly what :func:`deltastore.publish.reconstruct.invert_chunk`
+returns (the numpy reference, the specification of the certified rule): the same float64
+operations in the same order on each element, the same comparisons, no fast-math and no
+contraction to FMA (numba's default: every ``fadd``/``fmul`` is rounded on its own), so the
+words and the certain mask are bit-identical (``tests/test_invert_kernel.py`` checks it on
+millions of random and adversarial elements). One element at a time, no float64 temporaries:
+about 1 ns per element on one core instead of ~27 ns for the reference (docs/performance.md,
+the trainer-in-the-loop results).
+
+:func:`invert_and_diff` also produces, in the same pass, what a snapshot-free publisher needs
+next: the new words (bf16 of the current parameter, as
+:func:`~deltastore.publish.reconstruct.bf16_words`) and the positions to send (old word !=
+new word, or not certain).
+
+numba is imported when this module is (the first snapshot-free reconstruction; the publisher
+imports this module lazily): compiled functions are cached on disk next to this file
+(``cache=True``; the first call in a fresh environment compiles them, ~1-3 s). The kernels
+release the GIL (``nogil=True``): threads may run different chunks at once. Pure functions;
+thread-safe. Inputs: 1-D C-contiguous float32 arrays of equal length (other layouts are
+copied first); outputs: ``<u2`` words (bf16 bit patterns, little-endian), bool masks, int64
+chunk-local positions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numba  # type: ignore[import-untyped, unused-ignore]
+import numpy as np
+from llvmlite import ir  # type: ignore[import-untyped, unused-ignore]
+from numba import types
+from numba.extending import intrinsic  # type: ignore[import-untyped, unused-ignore]
+
+from deltastore.publish.reconstruct import G64, SAFETY, TINY, U32, Coefficients
+
+
+def _i32_intrinsic(build: Any, result: Any, arg: Any) -> Any:
+    """A numba intrinsic of one argument whose body is ``build(builder, value)`` on 32-bit
+    LLVM values (integer arithmetic wraps modulo 2**32, as numpy's uint32)."""
+
+    def typer(typingctx: Any, value: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return build(builder, args[0])
+
+        return result(arg), codegen
+
+    return intrinsic(typer)
+
+
+_I32 = ir.IntType(32)
+
+
+def _c(value: int) -> Any:
+    return ir.Constant(_I32, value)
+
+
+def _build_bits(builder: Any, value: Any) -> Any:
+    return builder.bitcast(value, _I32)
+
+
+def _build_round(builder: Any, value: Any) -> Any:
+    # ((bits >> 16) & 1) + 0x7FFF + bits, then >> 16 (uint32): the bf16 word in the low half
+    bits = builder.bitcast(value, _I32)
+    lsb = builder.and_(builder.lshr(bits, _c(16)), _c(1))
+    return builder.lshr(builder.add(builder.add(lsb, _c(0x7FFF)), bits), _c(16))
+
+
+def _build_tie(sign: int) -> Any:
+    def build(builder: Any, rounded: Any) -> Any:
+        # ((rounded & 0x7FFF) << 16) -/+ 0x8000 (uint32, wrapping), as a float32
+        high = builder.shl(builder.and_(rounded, _c(0x7FFF)), _c(16))
+        tie = builder.add(high, _c(0x8000)) if sign > 0 else builder.sub(high, _c(0x8000))
+        return builder.bitcast(tie, ir.FloatType())
+
+    return build
+
+
+#: float32 -> its bit pattern (uint32).
+_bits = _i32_intrinsic(_build_bits, types.uint32, types.float32)
+#: float32 -> bf16 word rounded to nearest even (NaN not special-cased), in a uint32.
+_round = _i32_intrinsic(_build_round, types.uint32, types.float32)
+#: bf16 word -> the fp32 rounding tie below / above its magnitude.
+_lower_tie = _i32_intrinsic(_build_tie(-1), types.float32, types.uint32)
+_upper_tie = _i32_intrinsic(_build_tie(+1), types.float32, types.uint32)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _element(
+    pf: np.float32,
+    mf: np.float32,
+    vf: np.float32,
+    alpha: float,
+    c: float,
+    eps: float,
+    d: float,
+    floor_k: float,
+    floor_min: float,
+    kp: float,
+    ku: float,
+    kx: float,
+    tiny_x: float,
+) -> tuple[Any, bool]:
+    """One element of the reference, operation for operation (see reconstruct_chunk and
+    invert_chunk there): the old word and whether it is certain."""
+    p = np.float64(pf)
+    m = np.float64(mf)
+    den = math.sqrt(np.float64(vf))
+    den = den / c
+    den = den + eps
+    a = abs(m)
+    fl = den * floor_k
+    if fl < floor_min:  # np.maximum: a NaN floor stays NaN (never exposed by it)
+        fl = floor_min
+    exposed = (a < fl) & (a != 0.0)
+    exposed |= (abs(pf) < np.float32(TINY)) & (pf != 0)
+    u = m * alpha
+    u = u / den
+    au = abs(u)
+    # x86 returns the first operand's NaN (numpy's p + update); LLVM may commute an fadd
+    x = p if p != p else p + u
+    x = x / d
+    b = abs(p) * kp
+    b = b + au * ku
+    ax = abs(x)
+    exposed |= ax < tiny_x
+    b = b + ax * kx
+    rounded = _round(np.float32(x))
+    lower = np.float64(_lower_tie(rounded))
+    upper = np.float64(_upper_tie(rounded))
+    certain = (ax - b > lower) & (ax + b < upper) & (not exposed)
+    # the update was exactly zero and the decay keeps the sign: it was that zero
+    kept = (pf == 0) & (_bits(mf) == 0)
+    word = (_bits(pf) >> 16) if kept else rounded
+    return word, certain | kept
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _new_word(pf: np.float32) -> Any:
+    """bf16 word of a float32, as bf16_words (round to nearest even; NaN -> 0x7FC0)."""
+    return 0x7FC0 if pf != pf else _round(pf)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _invert(
+    param: np.ndarray,
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    k: np.ndarray,
+    words: np.ndarray,
+    certain: np.ndarray,
+) -> None:
+    alpha, c, eps, d = k[0], k[1], k[2], k[3]
+    floor_k, floor_min, kp, ku, kx, tiny_x = k[4], k[5], k[6], k[7], k[8], k[9]
+    for i in range(param.shape[0]):
+        w, ok = _element(
+            param[i], exp_avg[i], exp_avg_sq[i], alpha, c, eps, d, floor_k, floor_min, kp, ku,
+            kx, tiny_x,
+        )  # fmt: skip
+        words[i] = w
+        certain[i] = ok
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _invert_diff(
+    param: np.ndarray,
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    k: np.ndarray,
+    words: np.ndarray,
+    certain: np.ndarray,
+    new: np.ndarray,
+    positions: np.ndarray,
+) -> int:
+    alpha, c, eps, d = k[0], k[1], k[2], k[3]
+    floor_k, floor_min, kp, ku, kx, tiny_x = k[4], k[5], k[6], k[7], k[8], k[9]
+    size = param.shape[0]
+    # one vectorized pass (no loop-carried state), then the compaction of the positions
+    send = np.zeros((size + 7) // 8 * 8, dtype=np.bool_)
+    for i in range(size):
+        w, ok = _element(
+            param[i], exp_avg[i], exp_avg_sq[i], alpha, c, eps, d, floor_k, floor_min, kp, ku,
+            kx, tiny_x,
+        )  # fmt: skip
+        nw = _new_word(param[i])
+        words[i] = w
+        certain[i] = ok
+        new[i] = nw
+        send[i] = (w != nw) | (not ok)
+    n = 0
+    lanes = send.view(np.uint64)  # 8 flags at a time: most are all zero
+    for j in range(lanes.shape[0]):
+        if lanes[j] != 0:
+            for i in range(8 * j, 8 * j + 8):
+                if send[i]:
+                    positions[n] = i
+                    n += 1
+    return n
+
+
+def _scalars(coef: Coefficients) -> np.ndarray:
+    """The float64 scalars of the reference, computed by the same Python expressions."""
+    d = coef.decay
+    alpha = coef.step_size
+    floor_k = TINY * max(1.0, 1.0 / alpha) if alpha > 0 else math.inf
+    floor_min = TINY / alpha if alpha > 0 else math.inf
+    return np.array(
+        [
+            alpha,
+            coef.bc2_sqrt,
+            coef.eps,
+            d,
+            floor_k,
+            floor_min,
+            SAFETY * (U32 + G64) / d,
+            SAFETY * (coef.update_rel + G64) / d,
+            SAFETY * (coef.weight_rel + G64),
+            TINY / d,
+        ],
+        dtype=np.float64,
+    )
+
+
+#: Elements below which a call runs on the calling thread alone.
+MIN_PART = 1 << 16
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def default_threads() -> int:
+    """Threads a call splits its chunk across by default: the CPUs this process may run on
+    (the publish runs between optimizer steps, when the trainer's cores are idle), at most 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus))
+
+
+def _parts(size: int, threads: int | None) -> list[tuple[int, int]]:
+    count = max(1, min(threads if threads is not None else default_threads(), size // MIN_PART))
+    bounds = [size * i // count for i in range(count + 1)]
+    return list(itertools.pairwise(bounds))
+
+
+def _run(parts: list[tuple[int, int]], work: Any) -> list[Any]:
+    """``work(start, stop)`` for every part: the first on this thread, the others on the
+    module's pool (the kernels release the GIL)."""
+    global _pool
+    if len(parts) == 1:
+        return [work(*parts[0])]
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(default_threads(), thread_name_prefix="invert-kernel")
+        pool = _pool
+    futures = [pool.submit(work, a, b) for a, b in parts[1:]]
+    first = work(*parts[0])
+    return [first, *(f.result() for f in futures)]
+
+
+def _inputs(*arrays: np.ndarray) -> list[np.ndarray]:
+    out = [np.ascontiguousarray(a, dtype=np.float32).reshape(-1) for a in arrays]
+    if len({a.shape[0] for a in out}) != 1:
+        raise ValueError(
+            "param, exp_avg and exp_avg_sq must have the same length "
+            f"(got {[a.shape[0] for a in out]})"
+        )
+    return out
+
+
+def invert_chunk(
+    param: np.ndarray,
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    coef: Coefficients,
+    threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Previous bf16 words (``<u2``) and the certain mask (bool) of one chunk: bit-identical
+    to :func:`deltastore.publish.reconstruct.invert_chunk` (same arguments). ``threads``:
+    split the chunk across this many threads (default :func:`default_threads`; parts of at
+    least :data:`MIN_PART` elements). Memory: the two outputs (3 bytes per element)."""
+    p, m, v = _inputs(param, exp_avg, exp_avg_sq)
+    words = np.empty(p.shape[0], dtype="<u2")
+    certain = np.empty(p.shape[0], dtype=np.bool_)
+    k = _scalars(coef)
+
+    def work(a: int, b: int) -> None:
+        _invert(p[a:b], m[a:b], v[a:b], k, words[a:b], certain[a:b])
+
+    _run(_parts(p.shape[0], threads), work)
+    return words, certain
+
+
+def invert_and_diff(
+    param: np.ndarray,
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    coef: Coefficients,
+    threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`invert_chunk` plus, in the same pass, the new words and what to send.
+
+    Returns ``(old, certain, new, positions)``: ``old`` and ``certain`` as
+    :func:`invert_chunk` (``threads`` too); ``new``: ``<u2`` bf16 words of ``param`` (round
+    to nearest even, NaN -> 0x7FC0, as :func:`~deltastore.publish.reconstruct.bf16_words`);
+    ``positions``: int64 ascending chunk-local positions where ``old != new`` or not
+    ``certain`` (a certain one goes out as the XOR ``old ^ new``, an uncertain one as the
+    absolute ``new``). Memory: 14 bytes per element of the chunk (``positions`` is a view of
+    a chunk-sized buffer)."""
+    p, m, v = _inputs(param, exp_avg, exp_avg_sq)
+    size = p.shape[0]
+    old = np.empty(size, dtype="<u2")
+    certain = np.empty(size, dtype=np.bool_)
+    new = np.empty(size, dtype="<u2")
+    positions = np.empty(size, dtype=np.int64)
+    k = _scalars(coef)
+
+    def work(a: int, b: int) -> np.ndarray:
+        out = positions[a:b]
+        n = int(_invert_diff(p[a:b], m[a:b], v[a:b], k, old[a:b], certain[a:b], new[a:b], out))
+        out[:n] += a
+        return out[:n]
+
+    found = _run(_parts(size, threads), work)
+    return old, certain, new, found[0] if len(found) == 1 else np.concatenate(found)

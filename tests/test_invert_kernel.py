@@ -1,0 +1,165 @@
+"""The compiled AdamW inverse (``deltastore.publish.invert_kernel``) against the numpy reference
+(``reconstruct.invert_chunk``, the specification of the certified rule): the words and the
+certain mask are bit-identical, compared through integer views, on random bit patterns (NaN,
+infinities, subnormals and signed zeros included), on adversarial values (zeros, values at and
+next to bf16 rounding ties, tiny and huge magnitudes and learning rates) and on the results of
+real ``torch.optim.AdamW`` steps; ``invert_and_diff``'s new words and positions equal the
+reference's ``bf16_words`` and ``flatnonzero(old != new | ~certain)``; the chunk split across
+threads changes nothing; ``Inversion.chunk`` uses the kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltastore.publish import reconstruct
+from deltastore.publish.reconstruct import (
+    Coefficients,
+    Gate,
+    StepScalars,
+    bf16_words,
+    invert_chunk,
+    step_coefficients,
+)
+
+kernel = pytest.importorskip("deltastore.publish.invert_kernel")
+
+#: (lr, weight_decay, eps, step, device_scalars): ordinary, no decay, eps 0, lr 0, extremes.
+HYPERS = [
+    (1e-6, 0.1, 1e-8, 10, False),
+    (3e-4, 0.0, 1e-8, 1, False),
+    (1e-2, 0.1, 0.0, 3, False),
+    (0.0, 0.1, 1e-8, 5, False),
+    (1e-30, 0.1, 1e-30, 100, False),
+    (0.4, 1.0, 1e-3, 2, True),
+    (2e-5, 0.01, 1e-12, 100_000, False),
+]
+
+
+def coefficients(lr: float, wd: float, eps: float, step: int, dev: bool) -> Coefficients:
+    coef = step_coefficients(StepScalars(lr, 0.9, 0.999, eps, wd, step, dev))
+    assert not isinstance(coef, Gate)
+    return coef
+
+
+def assert_same(p: np.ndarray, m: np.ndarray, v: np.ndarray, coef: Coefficients) -> None:
+    """The kernel (one thread and split across three) equals the reference, bit for bit."""
+    ref_words, ref_certain = invert_chunk(p, m, v, coef)
+    for threads in (1, 3):
+        words, certain = kernel.invert_chunk(p, m, v, coef, threads=threads)
+        assert words.dtype == np.dtype("<u2") and certain.dtype == np.bool_
+        bad = np.flatnonzero(words.view(np.uint16) != ref_words.view(np.uint16))
+        assert bad.size == 0, (threads, p[bad[:3]], m[bad[:3]], v[bad[:3]])
+        assert np.array_equal(certain, ref_certain), threads
+        old, cert, new, positions = kernel.invert_and_diff(p, m, v, coef, threads=threads)
+        assert np.array_equal(old.view(np.uint16), ref_words.view(np.uint16))
+        assert np.array_equal(cert, ref_certain)
+        assert np.array_equal(new.view(np.uint16), bf16_words(p).view(np.uint16))
+        expected = np.flatnonzero((ref_words != new) | ~ref_certain)
+        assert positions.dtype == np.int64 and np.array_equal(positions, expected)
+
+
+def random_bits(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("hyper", HYPERS)
+def test_random_bit_patterns(hyper: tuple[float, float, float, int, bool]) -> None:
+    """Any float32 at all (about 0.4% NaN, infinities, subnormals, both zeros)."""
+    rng = np.random.default_rng(7)
+    n = 1 << 18
+    p, m, v = (random_bits(rng, n) for _ in range(3))
+    assert_same(p, m, v, coefficients(*hyper))
+
+
+def adversarial(rng: np.random.Generator, n: int) -> np.ndarray:
+    """float32 values a kernel gets wrong first: zeros of both signs, subnormals, the
+    smallest normals, NaN and infinities, huge values, and values at a bf16 tie and one ulp
+    either side of it, with random signs."""
+    special = np.array(
+        [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 1.1754942e-38, 1.17549435e-38,
+         2.0**-125, 2.0**-126, 3.4028235e38, 1e38, 1.0, -1.0, 65504.0],
+        dtype=np.float32,
+    )  # fmt: skip
+    ties = rng.integers(0, 0xFF00, n, dtype=np.uint32) << 16 | 0x8000
+    ties = ties + rng.integers(-1, 2, n).astype(np.uint32)  # the tie and its neighbours
+    scale = np.float32(10.0) ** rng.uniform(-40, 38, n).astype(np.float32)
+    pick = rng.integers(0, 3, n)
+    with np.errstate(over="ignore"):
+        normal = scale * rng.standard_normal(n, np.float32)
+    out = np.where(
+        pick == 0,
+        special[rng.integers(0, special.size, n)],
+        np.where(pick == 1, ties.view(np.float32), normal),
+    )
+    return out.astype(np.float32)
+
+
+@pytest.mark.parametrize("hyper", HYPERS)
+def test_adversarial_values(hyper: tuple[float, float, float, int, bool]) -> None:
+    rng = np.random.default_rng(11)
+    n = 1 << 18
+    p, m = adversarial(rng, n), adversarial(rng, n)
+    v = np.abs(adversarial(rng, n))
+    v[::7] = -v[::7]  # negative second moments too (sqrt of a negative: NaN)
+    assert_same(p, m, v, coefficients(*hyper))
+
+
+@pytest.mark.parametrize(("lr", "wd"), [(1e-6, 0.1), (3e-4, 0.0), (1e-2, 0.1)])
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_real_adamw_steps(lr: float, wd: float, impl: str) -> None:
+    """After real torch AdamW steps from weights at bf16 ties, zeros and tiny values, where
+    the uncertain elements are."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    n = 1 << 17
+    start = adversarial(rng, n)
+    start[~np.isfinite(start)] = 0.0
+    start = np.clip(start, -1e3, 1e3)
+    param = torch.nn.Parameter(torch.from_numpy(start.copy()))
+    opt = torch.optim.AdamW([param], lr=lr, weight_decay=wd, **{impl: True})
+    gen = torch.Generator().manual_seed(5)
+    for step in range(1, 4):
+        grad = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-30, 3, (n,), generator=gen)
+        grad[::5] = 0
+        param.grad = grad
+        opt.step()
+        state = opt.state[param]
+        coef = coefficients(lr, wd, 1e-8, step, False)
+        p, m, v = (t.detach().numpy() for t in (param, state["exp_avg"], state["exp_avg_sq"]))
+        assert_same(p, m, v, coef)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bits=st.lists(st.integers(0, 2**32 - 1), min_size=3, max_size=3 * 200).filter(
+        lambda b: len(b) % 3 == 0
+    ),
+    lr=st.floats(0, 0.4),
+    wd=st.sampled_from([0.0, 1e-4, 0.1, 1.0]),
+    eps=st.sampled_from([0.0, 1e-30, 1e-8, 1e-3]),
+    step=st.integers(1, 10**6),
+)
+def test_hypothesis(bits: list[int], lr: float, wd: float, eps: float, step: int) -> None:
+    coef = step_coefficients(StepScalars(lr, 0.9, 0.999, eps, wd, step))
+    if isinstance(coef, Gate):
+        return
+    arr = np.array(bits, dtype=np.uint32).view(np.float32).reshape(3, -1)
+    assert_same(arr[0].copy(), arr[1].copy(), arr[2].copy(), coef)
+
+
+def test_empty_and_length_mismatch() -> None:
+    coef = coefficients(*HYPERS[0])
+    empty = np.zeros(0, np.float32)
+    words, certain = kernel.invert_chunk(empty, empty, empty, coef)
+    assert words.size == 0 and certain.size == 0
+    assert kernel.invert_and_diff(empty, empty, empty, coef)[3].size == 0
+    with pytest.raises(ValueError, match="same length"):
+        kernel.invert_chunk(np.zeros(3, np.float32), empty, empty, coef)
+
+
+def test_inversion_chunk_uses_the_kernel() -> None:
+    assert reconstruct._fast_invert() is kernel.invert_chunk
