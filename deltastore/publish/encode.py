@@ -11,15 +11,19 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 import xxhash
 
 from deltastore.format.checksum import adler32, apply_delta, delta_sums
 from deltastore.format.codecs import NEW_WORDS_CODECS, RAW, Codec, CodecSet, FrameEncoder
+
+J = TypeVar("J")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -123,16 +127,26 @@ class FrameEncoders:
             changed, value, codec, data, digest, pos, new_at, t1 - t0, time.perf_counter() - t1
         )
 
+    def encoder(self) -> FrameEncoder:
+        """The calling thread's :class:`FrameEncoder` (created on first use)."""
+        return self._encoder()
+
     def map(self, jobs: Iterable[FrameJob]) -> Generator[Encoded, None, None]:
         """:meth:`encode` every job, results in job order; at most ``2 * workers`` ahead. A
         caller that may stop early closes the generator itself (its pool shuts down then)."""
+        return self.run(self.encode, jobs)
+
+    def run(self, fn: Callable[[J], R], jobs: Iterable[J]) -> Generator[R, None, None]:
+        """``fn(job)`` for every job on the worker threads (``fn`` may call :meth:`encoder`),
+        results in job order, at most ``2 * workers`` ahead; closing the generator shuts the
+        pool down."""
         if self._workers == 1:
-            yield from map(self.encode, jobs)
+            yield from map(fn, jobs)
             return
         with ThreadPoolExecutor(self._workers, thread_name_prefix="deltastore-publish") as pool:
-            ahead: deque[Future[Encoded]] = deque()
+            ahead: deque[Future[R]] = deque()
             for job in jobs:
-                ahead.append(pool.submit(self.encode, job))
+                ahead.append(pool.submit(fn, job))
                 if len(ahead) >= 2 * self._workers:
                     yield ahead.popleft().result()
             while ahead:

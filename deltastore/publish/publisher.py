@@ -61,6 +61,7 @@ from deltastore.publish.commit import (
 )
 from deltastore.publish.encode import FrameEncoders, FrameJob
 from deltastore.publish.policy import AnchorCosts, AnchorPolicy
+from deltastore.publish.snapfree import SnapshotFreeStats
 from deltastore.publish.snapshot import (
     DiskSnapshot,
     HeldChange,
@@ -79,6 +80,8 @@ from deltastore.tensors.tables import check_table, raise_if_mismatched
 
 if TYPE_CHECKING:
     import torch
+
+    from deltastore.publish.snapfree_writer import SnapshotFree
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +112,8 @@ class PublishReport(SizeRatios):
     #: Stored bytes of the version's anchor copy (``anchors/``), written beside its delta;
     #: None when none was written (an anchor version's own size is ``payload_bytes``).
     anchor_copy_bytes: int | None = None
+    #: What the snapshot-free path did (``snapshot="none"``; None otherwise).
+    snapshot_free: SnapshotFreeStats | None = None
     #: Store requests the publish made, how many of them ran one after the other
     #: (:func:`~deltastore.store.counting.critical_path`), and how many of those came after
     #: the last data object was stored (the head check, the commit, ``LATEST``).
@@ -168,7 +173,7 @@ class ChainWriter:
         url: str | os.PathLike[str] | Store,
         *,
         storage_options: dict[str, Any] | None = None,
-        snapshot: Literal["memory", "disk"] = "memory",
+        snapshot: Literal["memory", "disk", "none"] = "memory",
         state_dir: str | os.PathLike[str] | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
@@ -178,7 +183,11 @@ class ChainWriter:
         signing_key: KeyOption = FROM_ENV,
         unsafe_commits: bool = False,
         anchor_policy: str | AnchorPolicy | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
+        self._snapfree = _snapshot_free(snapshot, optimizer, codecs, state_dir)
+        if self._snapfree is not None:
+            snapshot = "memory"  # holds the words of snapshot tensors only
         if anchor_policy is not None and self._shard is not None:
             raise ValueError("anchor_policy is a Publisher option; shard writers write no copies")
         self._policy = AnchorPolicy.parse(anchor_policy)
@@ -534,6 +543,10 @@ class Publisher(ChainWriter):
         next publish is then a delta against them. Returns the attached version.
         """
         manifest = self._head_manifest(version)
+        if self._snapfree is not None:
+            from deltastore.publish.snapfree_writer import attach
+
+            return attach(self, self._snapfree, tensors, manifest)  # type: ignore[arg-type]
         check_table(tensors, manifest, exact=True)
         host = {n: host_words(tensors[n]) for n in manifest.tensors}
         sums = {name: self._checksums(words) for name, words in host.items()}
@@ -589,6 +602,10 @@ class Publisher(ChainWriter):
         self._check_version(version, anchor=bool(anchor))
         # before any upload: refuse unsafe commits unless accepted
         enforced = conditional_writes(self._io, unsafe_commits=self.unsafe_commits)
+        if self._snapfree is not None:
+            return self._publish_snapshot_free(
+                tensors, version, anchor, progress, t_start, enforced
+            )
         table = {n: table_entry(n, t.dtype, t.shape) for n, t in tensors.items()}
         state = self._held.tensors
         same_table = state is not None and table == {
@@ -657,6 +674,93 @@ class Publisher(ChainWriter):
             100 * report.payload_ratio,
         )
         return report
+
+    def _publish_snapshot_free(
+        self,
+        tensors: Tensors,
+        version: int,
+        anchor: bool | None,
+        progress: ProgressFn | None,
+        t_start: float,
+        enforced: bool,
+    ) -> PublishReport:
+        """:meth:`publish` with ``snapshot="none"`` (:mod:`deltastore.publish.snapfree_writer`)."""
+        from deltastore.publish.snapfree_writer import prepare
+
+        sf = self._snapfree
+        assert sf is not None
+        items = sf.items(tensors, table_entry)  # type: ignore[arg-type]
+        state = self._held.tensors
+        same = state is not None and {n: it.spec for n, it in items.items()} == {
+            n: (s.dtype, s.shape) for n, s in state.items()
+        }
+        prep = prepare(
+            self, sf, items, version=version, same_table=same, anchor=anchor, progress=progress
+        )
+        t0 = time.perf_counter()
+        committed = commit_version(
+            self._io,
+            version=version,
+            kind=prep.kind,
+            parent=prep.parent,
+            entries=prep.pending.entries,
+            token=self.token,
+            signing_key=self._signing[0] if self._signing else None,
+            enforced=enforced,
+            check=partial(check_head, self._io, version, prep.parent),
+            copy_entries=prep.pending.copy_entries,
+        )
+        prep.pending.upload_s += time.perf_counter() - t0
+        manifest, copy = committed.manifest, committed.copy
+        prep.adopt(self, sf, manifest)
+        stored = manifest.payload_bytes + len(committed.body)
+        if prep.kind == "anchor":
+            self._costs.anchored(version, stored)
+        elif copy is not None:
+            self._costs.anchored(version, stored_bytes(copy), last_delta=stored)
+        else:
+            self._costs.delta(stored)
+        reason = prep.reason if prep.kind == "anchor" or copy is not None else None
+        report = self._report(
+            version,
+            prep.kind,
+            prep.parent,
+            {},
+            prep.pending,
+            t_start,
+            reason,
+            None if copy is None else copy.payload_bytes,
+        )
+        numel, dense = prep.sizes
+        return dataclasses.replace(
+            report, total_elements=numel, dense_bytes=dense, snapshot_free=prep.stats
+        )
+
+
+def _snapshot_free(
+    snapshot: str, optimizer: Any, codecs: str, state_dir: Any
+) -> SnapshotFree | None:
+    """The snapshot-free state of a writer built with ``snapshot="none"`` (else None), after
+    checking the options that go with it."""
+    if snapshot != "none":
+        if optimizer is not None:
+            raise ValueError("optimizer= is used with snapshot='none' only")
+        return None
+    if optimizer is None:
+        raise ValueError(
+            "snapshot='none' rebuilds the previous words from the optimizer: pass optimizer="
+            "(the torch.optim.AdamW that steps the published parameters)"
+        )
+    if codecs == "v1":
+        raise ValueError(
+            "snapshot='none' sends uncertain elements in xor-patch frames, which the 'v1' "
+            "codecs (deltastore 0.1.0 readers) lack: use codecs='v2' or a snapshot"
+        )
+    if state_dir is not None:
+        raise ValueError("snapshot='none' keeps no state folder: drop state_dir")
+    from deltastore.publish.snapfree_writer import SnapshotFree
+
+    return SnapshotFree(optimizer)
 
 
 __all__ = ["PublishReport", "Publisher"]

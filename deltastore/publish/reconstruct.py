@@ -341,10 +341,30 @@ class Inversion:
         words, certain = _fast_invert()(arrays[0], arrays[1], arrays[2], self.coefficients)
         return ReconstructedChunk(start, words, certain)
 
+    def candidates(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For elements at flat ``positions`` (int64, any order): the bf16 words of the two
+        ends of the bound, ``bf16(x - B)`` and ``bf16(x + B)`` (``<u2``; the true previous word
+        lies between them in value, wherever the bound holds), and whether ``[x - B, x + B]``
+        touches zero (then ``+0`` is a likely candidate: a zero-initialised element). Used to
+        resolve the uncertain elements of a block against a digest; O(len(positions))."""
+        arrays = [t[torch_index(positions)].cpu().numpy() for t in self._flat]
+        x, bound, _ = reconstruct_chunk(arrays[0], arrays[1], arrays[2], self.coefficients)
+        with np.errstate(all="ignore"):
+            lo, hi = x - bound, x + bound
+            zero = (lo <= 0) & (hi >= 0)
+            return bf16_words(lo.astype(np.float32)), bf16_words(hi.astype(np.float32)), zero
+
     def chunks(self, chunk_elements: int = DEFAULT_CHUNK) -> Iterator[ReconstructedChunk]:
         """The whole parameter, ``chunk_elements`` at a time (1-4 Mi is a good size)."""
         for start in range(0, self.numel, max(1, chunk_elements)):
             yield self.chunk(start, start + chunk_elements)
+
+
+def torch_index(positions: np.ndarray) -> torch.Tensor:
+    """An int64 torch index tensor of numpy ``positions``."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64))
 
 
 def _scalar(value: Any) -> float:
@@ -479,6 +499,21 @@ class AdamWInverter:
         if isinstance(coef, Gate):
             return coef
         return Inversion(param, moments[0], moments[1], coef)
+
+
+def optimizer_gate(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Gate | None:
+    """The gates of :meth:`AdamWInverter.plan` that hold for every step (the optimizer's
+    type, its param group's flags, a parameter not in any group); None when none applies.
+    Lets a publisher decide before the first step which parameters it cannot reconstruct."""
+    import torch
+
+    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+        name = type(optimizer).__name__
+        return Gate("optimizer", f"{name} is not torch.optim.AdamW: no inverse is known")
+    for group in optimizer.param_groups:
+        if any(p is param for p in group["params"]):
+            return _group_gate(group)
+    return Gate("not-a-parameter", "the tensor is not a parameter of the optimizer")
 
 
 def _group_gate(group: dict[str, Any]) -> Gate | None:

@@ -1,0 +1,250 @@
+"""One frame of a snapshot-free tensor: reconstruct, verify against block digests, encode.
+
+A snapshot-free publisher holds no words of an AdamW-updated parameter, only the block
+digests of what it published (:mod:`deltastore.publish.digests`). Per frame of such a tensor
+(elements ``[a, b)`` of the flat parameter, a :class:`ReconJob`), chunk by chunk
+(:data:`~deltastore.publish.reconstruct.DEFAULT_CHUNK` elements, a multiple of
+:data:`~deltastore.publish.digests.BLOCK`), :func:`encode_frame`:
+
+1. casts the chunk of the fp32 parameter to its new bf16 words (round to nearest even, as
+   torch) and hashes their blocks (the digests of the new version, adopted after the commit);
+2. by ``mode``: ``"new"`` (no parent: the frame's new words, an anchor); ``"absolute"``
+   (every element as an absolute entry: the old words are unknown); ``"verify"`` (no step
+   moved the parameter: blocks whose new words match the digests are unchanged, the others
+   go out as absolute entries); ``"delta"`` (the previous words reconstructed by
+   :meth:`Inversion.chunk`, each block checked against its digest, uncertain words resolved
+   by :func:`~deltastore.publish.digests.resolve_block`);
+3. emits certain changed elements of verified blocks as XOR masks, uncertain elements
+   (changed or not) and every element of a block that does not verify as absolute new words,
+   in one ``xor-patch`` frame; a frame with XOR entries only is encoded as the smallest of
+   the usual delta codecs (its old words are all proven).
+
+Memory: the float64 temporaries of one chunk, the frame's entries (O(changed)), and the
+frame's words only where they are encoded whole (an anchor, an absolute frame, an anchor
+copy, or a frame without uncertain elements). Pure per job; run jobs on any threads, one
+:class:`~deltastore.format.codecs.FrameEncoder` per thread, before the next optimizer step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+import xxhash
+
+from deltastore.format.checksum import adler32
+from deltastore.format.codecs import RAW, XOR_PATCH, Codec, FrameEncoder
+from deltastore.publish.digests import (
+    BLOCK,
+    block_count,
+    candidate_lists,
+    digest,
+    digest_blocks,
+    resolve_block,
+)
+from deltastore.publish.encode import FullFrame
+from deltastore.publish.reconstruct import DEFAULT_CHUNK, Inversion, bf16_words
+
+if TYPE_CHECKING:
+    import torch
+
+Mode = Literal["new", "delta", "verify", "absolute"]
+
+
+@dataclass(frozen=True)
+class SnapshotFreeStats:
+    """What a snapshot-free publish did (:attr:`PublishReport.snapshot_free`).
+
+    ``reconstructed``: tensors whose previous words came from the optimizer (verified, or
+    verified unchanged); ``snapshots``: name -> reason, tensors held as a snapshot (not AdamW
+    parameters, gated for good); ``absolute``: name -> reason, tensors sent whole as absolute
+    words this version (a gate; their old words were unknown); ``blocks_verified``: blocks
+    whose reconstructed (or unchanged) words matched their digest; ``blocks_raw``: blocks that
+    did not, sent whole as absolute words; ``uncertain``: elements of verified blocks sent as
+    absolute words because their bound straddles a bf16 rounding tie; ``anchor_reason``: why
+    the version became an anchor (None: it did not, or it is an ordinary anchor)."""
+
+    reconstructed: int = 0
+    snapshots: dict[str, str] = field(default_factory=dict)
+    absolute: dict[str, str] = field(default_factory=dict)
+    blocks_verified: int = 0
+    blocks_raw: int = 0
+    uncertain: int = 0
+    anchor_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class ReconJob:
+    """One frame of a snapshot-free tensor: elements ``[a, b)`` of ``flat`` (the fp32
+    parameter, 1-D, detached; any device), encoded as ``mode`` (module docstring).
+    ``inversion``: the reconstruction (``"delta"``); ``held``: the frame's block digests at
+    the parent (``"delta"``, ``"verify"``); ``full``: also encode the new words (an anchor
+    copy); ``chunk``: elements per step (a multiple of :data:`BLOCK`)."""
+
+    flat: torch.Tensor
+    a: int
+    b: int
+    mode: Mode
+    inversion: Inversion | None = None
+    held: np.ndarray | None = None
+    full: bool = False
+    chunk: int = DEFAULT_CHUNK
+
+
+@dataclass
+class ReconFrame:
+    """What :func:`encode_frame` produced: the frame (``data`` None: nothing changed), its
+    new Adler-32 and block digests, the anchor-copy frame, and counters: blocks verified
+    against a digest, blocks sent whole (``raw_at``: their frame-local starts), uncertain
+    elements sent as absolute words of verified blocks."""
+
+    changed: int
+    adler: int
+    codec: Codec
+    data: bytes | None
+    xxh3: str
+    digests: np.ndarray
+    full: FullFrame | None = None
+    verified: int = 0
+    raw: int = 0
+    uncertain: int = 0
+    raw_at: list[int] = field(default_factory=list)
+    encode_s: float = 0.0
+
+
+def new_words(flat: torch.Tensor, a: int, b: int) -> np.ndarray:
+    """bf16 words (``<u2``) of elements ``[a, b)`` of a flat fp32 tensor (a copy of that
+    range only)."""
+    return bf16_words(flat[a:b].detach().cpu().numpy())
+
+
+def check_blocks(
+    old: np.ndarray, certain: np.ndarray, held: np.ndarray, inversion: Inversion, first: int
+) -> np.ndarray:
+    """Per block of the chunk ``old`` (reconstructed words; ``certain`` mask; element
+    ``first`` of the parameter at its start), whether it does *not* match its digest in
+    ``held`` even with its uncertain words resolved (True: send the block whole)."""
+    bad = np.zeros(held.size, dtype=np.bool_)
+    for j in range(held.size):
+        s = j * BLOCK
+        blk = old[s : s + BLOCK]
+        expected = int(held[j])
+        if digest(blk) == expected:
+            continue
+        unc = np.flatnonzero(~certain[s : s + BLOCK])
+        if unc.size == 0:
+            bad[j] = True
+            continue
+        lo, hi, zero = inversion.candidates(unc + (first + s))
+        cands = candidate_lists(blk[unc], lo, hi, zero)
+        bad[j] = not resolve_block(blk, unc, cands, expected)
+    return bad
+
+
+def encode_frame(job: ReconJob, enc: FrameEncoder) -> ReconFrame:
+    """Encode one frame of a snapshot-free tensor (module docstring). Thread-safe per job
+    (``enc`` is the calling thread's own)."""
+    t0 = time.perf_counter()
+    n = job.b - job.a
+    mode = job.mode
+    digests = np.empty(block_count(n), dtype=np.uint64)
+    keep_new = mode in ("new", "absolute") or job.full
+    whole = mode == "delta"  # every old word proven so far: the usual codecs apply
+    new_parts: list[np.ndarray] = []
+    old_parts: list[np.ndarray] = []
+    pos_parts: list[np.ndarray] = []
+    word_parts: list[np.ndarray] = []
+    flag_parts: list[np.ndarray] = []
+    out = ReconFrame(0, 1, RAW, None, "", digests)
+    adler = 1
+    for c in range(job.a, job.b, job.chunk):
+        e = min(c + job.chunk, job.b)
+        local = c - job.a
+        new = new_words(job.flat, c, e)
+        adler = adler32(new, adler)
+        k0 = local // BLOCK
+        nd = digest_blocks(new)
+        digests[k0 : k0 + nd.size] = nd
+        if keep_new or whole:
+            new_parts.append(new)
+        if mode == "new":
+            continue
+        if mode == "absolute":
+            pos_parts.append(np.arange(local, local + e - c, dtype=np.int64))
+            word_parts.append(new)
+            flag_parts.append(np.ones(e - c, dtype=np.bool_))
+            continue
+        assert job.held is not None
+        held = job.held[k0 : k0 + nd.size]
+        old: np.ndarray | None = None
+        if mode == "verify":
+            bad = nd != held
+            absolute = np.repeat(bad, BLOCK)[: e - c]
+            send = absolute
+        else:
+            assert job.inversion is not None
+            rec = job.inversion.chunk(c, e)
+            old, certain = rec.words, rec.certain
+            bad = check_blocks(old, certain, held, job.inversion, c)
+            absolute = np.repeat(bad, BLOCK)[: e - c]
+            out.uncertain += int(np.count_nonzero(~certain & ~absolute))
+            absolute |= ~certain
+            send = absolute | (old != new)
+        out.verified += int(np.count_nonzero(~bad))
+        out.raw += int(np.count_nonzero(bad))
+        out.raw_at.extend((local + int(j) * BLOCK) for j in np.flatnonzero(bad))
+        p = np.flatnonzero(send)
+        flags = absolute[p]
+        words = new[p]
+        if old is not None:
+            xor_at = ~flags
+            words[xor_at] ^= old[p[xor_at]]
+        if p.size:
+            pos_parts.append(p + local)
+            word_parts.append(words)
+            flag_parts.append(flags)
+        if whole and bool(flags.any()):
+            whole = False
+            old_parts = []
+            if not keep_new:
+                new_parts = []
+        elif whole and old is not None:
+            old_parts.append(old)
+    out.adler = adler
+    if mode == "new":
+        frame = np.concatenate(new_parts)
+        out.codec, out.data = enc.new_words(frame)
+        out.changed = n
+    elif pos_parts:
+        pos = np.concatenate(pos_parts)
+        words = np.concatenate(word_parts)
+        if whole:
+            out.codec, out.data = enc.encode_delta(
+                np.concatenate(old_parts), np.concatenate(new_parts), pos, masks=words
+            )
+        else:
+            out.codec, out.data = XOR_PATCH, enc.xor_patch(pos, words, np.concatenate(flag_parts))
+        out.changed = int(pos.size)
+    if out.data is not None:
+        out.xxh3 = xxhash.xxh3_64_hexdigest(out.data)
+    if job.full:
+        if mode == "new" and out.data is not None:
+            out.full = FullFrame(out.codec, out.data, out.xxh3)
+        else:
+            codec, data = enc.new_words(np.concatenate(new_parts))
+            out.full = FullFrame(codec, data, xxhash.xxh3_64_hexdigest(data))
+    out.encode_s = time.perf_counter() - t0
+    return out
+
+
+__all__ = [
+    "Mode",
+    "ReconFrame",
+    "ReconJob",
+    "SnapshotFreeStats",
+    "check_blocks",
+    "encode_frame",
+    "new_words",
+]

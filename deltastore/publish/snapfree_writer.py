@@ -1,0 +1,629 @@
+"""The writer side of ``snapshot="none"``: which tensors are reconstructed, how each is sent.
+
+:class:`SnapshotFree` belongs to one :class:`~deltastore.Publisher` or
+:class:`~deltastore.ShardWriter` built with ``snapshot="none", optimizer=opt``. It attaches an
+:class:`~deltastore.publish.reconstruct.AdamWInverter` to the optimizer (construct the writer
+before the first ``opt.step()`` whose result is published), keeps the block digests of every
+reconstructed tensor's last published words (no words) and decides per tensor and version:
+
+- a float32 tensor that *is* a parameter of the optimizer (the same tensor, or the same
+  storage, shape and dtype) is published as its bfloat16 cast and reconstructed: after one
+  AdamW step a ``"delta"`` frame (:mod:`deltastore.publish.snapfree`); no step since the last
+  publish (a skipped step, a parameter without a gradient) ``"verify"``: its new words checked
+  against the digests; a transient gate (``steps``: not exactly one step, ``no-lr``,
+  ``ambiguous-lr``, ``no-watermark``, ``hyper``) ``"absolute"``: sent whole as absolute words
+  this version (every reconstructed tensor so gated: the version becomes an anchor);
+- every other tensor (not a parameter, a bf16 parameter, a frozen parameter, the parameters of
+  an optimizer or param group that is not plain decoupled AdamW) is held as a snapshot of its
+  own words (the writer's usual path, for those tensors only), with the reason reported; a
+  parameter found gated for good after some steps (bf16 moments: ``dtype``) is sent whole once
+  and held as a snapshot from then on.
+
+Call order (one thread, between optimizer steps): :meth:`SnapshotFree.items`,
+:meth:`SnapshotFree.decide`, encode (:meth:`SnapshotFree.jobs` on the writer's encoder
+threads), commit, then :meth:`SnapshotFree.adopt`, which alone changes the digests and marks
+the inverter: a failed publish leaves everything at the previous version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from deltastore.errors import ChainError
+from deltastore.format.checksum import combine_frames
+from deltastore.format.keys import data_prefix
+from deltastore.format.manifest import Frame, Manifest, Parent, TensorEntry
+from deltastore.progress import ProgressFn
+from deltastore.publish.digests import BLOCK, block_offsets, digest_blocks
+from deltastore.publish.publisher import ChainWriter, Pending
+from deltastore.publish.reconstruct import (
+    DEFAULT_CHUNK,
+    AdamWInverter,
+    Gate,
+    Inversion,
+    bf16_words,
+    optimizer_gate,
+)
+from deltastore.publish.snapfree import (
+    Mode,
+    ReconFrame,
+    ReconJob,
+    SnapshotFreeStats,
+    encode_frame,
+)
+from deltastore.publish.snapshot import TensorSums, row_range
+from deltastore.publish.upload import PackWriter, Uploads
+
+log = logging.getLogger("deltastore.publish.publisher")
+
+#: Gates after which a tensor is sent whole this version only.
+TRANSIENT = frozenset({"steps", "no-watermark", "no-lr", "ambiguous-lr", "hyper"})
+#: Gates after which the old words are the current ones (verified against the digests).
+UNMOVED = frozenset({"unchanged", "no-state"})
+#: Warnings logged per publish for blocks sent raw, and for fallbacks, before a summary.
+MAX_WARNINGS = 8
+EMPTY = np.empty(0, dtype="<u2")
+
+
+@dataclass
+class Item:
+    """One tensor to publish: ``local`` (the words' source: this writer's elements),
+    ``param`` (the optimizer's parameter, a DTensor for an FSDP2 shard; None when it is not
+    one), ``spec`` (format dtype and global shape), ``reason`` (why it is held as a snapshot;
+    None: reconstructed)."""
+
+    name: str
+    local: torch.Tensor
+    param: torch.Tensor | None
+    spec: tuple[str, list[int]]
+    reason: str | None
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.local.detach().reshape(-1)
+
+    def words(self) -> np.ndarray:
+        """The words to publish of a snapshot tensor (a bf16 cast of a float32 parameter)."""
+        if self.param is not None:
+            return bf16_words(self.flat.cpu().numpy())
+        from deltastore.tensors.dtypes import host_words
+
+        return host_words(self.local)
+
+
+@dataclass
+class Decision:
+    """How each reconstructed tensor is sent this version (name -> mode and inversion), the
+    tensors sent whole (name -> reason), those that become snapshots (name -> reason), and
+    why the version becomes an anchor (None: it does not)."""
+
+    modes: dict[str, tuple[Mode, Inversion | None]] = field(default_factory=dict)
+    absolute: dict[str, str] = field(default_factory=dict)
+    switch: dict[str, str] = field(default_factory=dict)
+    anchor_reason: str | None = None
+
+
+@dataclass
+class Outcome:
+    """Per reconstructed tensor: its new block digests (adopted after the commit); counters."""
+
+    digests: dict[str, np.ndarray] = field(default_factory=dict)
+    verified: int = 0
+    raw: int = 0
+    uncertain: int = 0
+    warned: int = 0
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+class SnapshotFree:
+    """Per-writer state of ``snapshot="none"`` (module docstring). ``chunk``: elements
+    reconstructed per step (rounded to a multiple of :data:`BLOCK`). Not thread-safe."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, chunk: int = DEFAULT_CHUNK) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {optimizer!r}")
+        self.optimizer = optimizer
+        self.inverter = AdamWInverter(optimizer)
+        self.chunk = max(BLOCK, chunk // BLOCK * BLOCK)
+        #: Block digests of the last committed words of each reconstructed tensor.
+        self.digests: dict[str, np.ndarray] = {}
+        #: Tensors held as snapshots for good (name -> reason).
+        self.sticky: dict[str, str] = {}
+
+    def close(self) -> None:
+        """Remove the optimizer hook."""
+        self.inverter.close()
+
+    # --- which tensors -------------------------------------------------------------------
+
+    def _params(
+        self,
+    ) -> tuple[dict[int, torch.Tensor], dict[tuple[int, tuple[int, ...]], torch.Tensor]]:
+        ids: dict[int, torch.Tensor] = {}
+        storage: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                ids[id(p)] = p
+                if p.dtype == torch.float32 and not hasattr(p, "to_local"):
+                    storage[(p.data_ptr(), tuple(p.shape))] = p
+        return ids, storage
+
+    def items(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        specs: Callable[[str, torch.dtype | str, Sequence[int]], tuple[str, list[int]]],
+        *,
+        owners: Mapping[str, torch.Tensor | None] | None = None,
+        shapes: Mapping[str, Sequence[int]] | None = None,
+    ) -> dict[str, Item]:
+        """Classify ``tensors`` (local tensors by name; ``owners``: the optimizer parameter of
+        a name when known, e.g. a DTensor; ``shapes``: global shapes, default the local ones;
+        ``specs``: the writer's table check, ``table_entry``)."""
+        ids, storage = self._params()
+        out: dict[str, Item] = {}
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: snapshot='none' publishes torch tensors, not {type(t)}")
+            shape = list(shapes[name]) if shapes is not None else list(t.shape)
+            p = owners.get(name) if owners is not None else None
+            if p is None:
+                p = ids.get(id(t))
+            if p is None and t.dtype == torch.float32 and t.device.type != "meta":
+                p = storage.get((t.data_ptr(), tuple(t.shape)))
+            if p is None or t.dtype != torch.float32:
+                why = (
+                    "not-a-parameter: not a float32 parameter of the optimizer"
+                    if p is None
+                    else f"dtype: a {t.dtype} parameter (bf16 master weights), not float32"
+                )
+                out[name] = Item(name, t, None, specs(name, t.dtype, shape), why)
+                continue
+            reason = self.sticky.get(name)
+            if reason is None:
+                gate = optimizer_gate(self.optimizer, p)
+                if gate is None and not p.requires_grad:
+                    gate = Gate("no-state", "frozen (requires_grad=False): no optimizer state")
+                if gate is None and not t.is_contiguous():
+                    gate = Gate("layout", "the tensor is not contiguous")
+                reason = None if gate is None else f"{gate.code}: {gate.reason}"
+            out[name] = Item(name, t, p, specs(name, "bfloat16", shape), reason)
+        return out
+
+    # --- how each is sent ----------------------------------------------------------------
+
+    def decide(self, items: Mapping[str, Item], delta: bool) -> Decision:
+        """Modes of the reconstructed tensors: all ``"new"`` for an anchor; for a delta, each
+        by :meth:`AdamWInverter.plan` (module docstring). A tensor that should be a snapshot
+        but holds only digests (it was reconstructed so far) is sent whole and switched."""
+        d = Decision()
+        recon = [it for it in items.values() if it.param is not None]
+        for it in recon:
+            if not delta:
+                if it.reason is None:
+                    d.modes[it.name] = ("new", None)
+                continue
+            if it.name not in self.digests:  # held as a snapshot: the usual path
+                if it.reason is None:
+                    it.reason = self.sticky.get(
+                        it.name, "held as a snapshot since an earlier version"
+                    )
+                continue
+            if it.reason is not None:
+                d.modes[it.name] = ("absolute", None)
+                d.absolute[it.name] = d.switch[it.name] = it.reason
+                continue
+            assert it.param is not None
+            plan = self.inverter.plan(it.param)
+            if isinstance(plan, Inversion):
+                if hasattr(it.param, "to_local"):
+                    state = self.optimizer.state[it.param]
+                    plan = Inversion(
+                        it.flat,
+                        _local(state["exp_avg"]),
+                        _local(state["exp_avg_sq"]),
+                        plan.coefficients,
+                    )
+                d.modes[it.name] = ("delta", plan)
+            elif plan.code in UNMOVED:
+                d.modes[it.name] = ("verify", None)
+            else:
+                why = f"{plan.code}: {plan.reason}"
+                d.modes[it.name] = ("absolute", None)
+                d.absolute[it.name] = why
+                if plan.code not in TRANSIENT:
+                    d.switch[it.name] = why
+        tracked = [it for it in recon if it.name in self.digests]
+        if delta and tracked and all(it.name in d.absolute for it in tracked) and not d.switch:
+            first = next(iter(d.absolute.values()))
+            d.anchor_reason = f"snapshot-free: every reconstructed tensor is gated ({first})"
+        return d
+
+    def jobs(
+        self,
+        items: Mapping[str, Item],
+        decision: Decision,
+        grids: Mapping[str, list[tuple[int, int]]],
+        full: bool,
+    ) -> Iterator[ReconJob]:
+        """The frame jobs of the reconstructed tensors, in :attr:`Decision.modes` order."""
+        for name, (mode, inversion) in decision.modes.items():
+            held = self.digests.get(name)
+            offsets = block_offsets(grids[name])
+            for i, (a, b) in enumerate(grids[name]):
+                part = held[offsets[i] : offsets[i + 1]] if held is not None else None
+                yield ReconJob(items[name].flat, a, b, mode, inversion, part, full, self.chunk)
+
+    def pack(
+        self,
+        results: Iterator[ReconFrame],
+        items: Mapping[str, Item],
+        decision: Decision,
+        grids: Mapping[str, list[tuple[int, int]]],
+        starts: Mapping[str, int],
+        parent_adler: Mapping[str, tuple[list[int], int]] | None,
+        add: Callable[[bytes], tuple[str, int]],
+        add_copy: Callable[[bytes], tuple[str, int]],
+        entries: dict[str, TensorEntry],
+        frame_adler: dict[str, list[int]],
+        copy_entries: dict[str, TensorEntry] | None,
+        codecs: dict[str, int],
+    ) -> Outcome:
+        """Turn the frame results (in :meth:`jobs` order) into tensor entries, packing each
+        frame with ``add`` (``add_copy``: anchor-copy frames); frames sit at ``starts[name]``
+        plus their local position; ``parent_adler``: per tensor the parent's frame and whole
+        Adler-32 (None for an anchor)."""
+        out = Outcome()
+        for name in decision.modes:
+            spec = items[name].spec
+            parent = parent_adler[name] if parent_adler is not None else None
+            start = starts.get(name, 0)
+            frames: list[Frame] = []
+            copies: list[Frame] = []
+            sums: list[int] = []
+            digests: list[np.ndarray] = []
+            changed = 0
+            for i, (a, b) in enumerate(grids[name]):
+                r = next(results)
+                pa = parent[0][i] if parent is not None else None
+                if r.data is not None:
+                    obj, offset = add(r.data)
+                    frames.append(
+                        Frame(
+                            start=start + a,
+                            stop=start + b,
+                            codec=r.codec,
+                            object=obj,
+                            offset=offset,
+                            length=len(r.data),
+                            xxh3=r.xxh3,
+                            changed=r.changed,
+                            adler32=r.adler,
+                            parent_adler32=pa,
+                        )
+                    )
+                    codecs[r.codec] = codecs.get(r.codec, 0) + 1
+                if r.full is not None:
+                    obj, offset = add_copy(r.full.data)
+                    copies.append(
+                        Frame(
+                            start=start + a,
+                            stop=start + b,
+                            codec=r.full.codec,
+                            object=obj,
+                            offset=offset,
+                            length=len(r.full.data),
+                            xxh3=r.full.xxh3,
+                            changed=b - a,
+                            adler32=r.adler,
+                            parent_adler32=None,
+                        )
+                    )
+                out.verified += r.verified
+                out.raw += r.raw
+                out.uncertain += r.uncertain
+                for at in r.raw_at:
+                    if out.warned < MAX_WARNINGS:
+                        log.warning(
+                            "%s: the block of %d elements at %d did not match its digest: "
+                            "sent whole as absolute words",
+                            name,
+                            BLOCK,
+                            start + a + at,
+                        )
+                    out.warned += 1
+                sums.append(r.adler)
+                digests.append(r.digests)
+                changed += r.changed
+            total = combine_frames(
+                (fa, (b - a) * 2) for fa, (a, b) in zip(sums, grids[name], strict=True)
+            )
+            frame_adler[name] = sums
+            entries[name] = TensorEntry(
+                dtype=spec[0],
+                shape=spec[1],
+                adler32=total,
+                parent_adler32=parent[1] if parent is not None else None,
+                changed=changed,
+                frames=frames,
+            )
+            if copy_entries is not None:
+                copy_entries[name] = TensorEntry(
+                    dtype=spec[0],
+                    shape=spec[1],
+                    adler32=total,
+                    parent_adler32=None,
+                    changed=sum(b - a for a, b in grids[name]),
+                    frames=copies,
+                )
+            out.digests[name] = np.concatenate(digests) if digests else np.empty(0, np.uint64)
+        if out.warned > MAX_WARNINGS:
+            log.warning("%d blocks in all did not match their digests", out.warned)
+        return out
+
+    def stats(
+        self, items: Mapping[str, Item], decision: Decision, outcome: Outcome
+    ) -> SnapshotFreeStats:
+        """The report of one publish."""
+        snapshots = {n: it.reason for n, it in items.items() if it.reason is not None}
+        snapshots.update(decision.switch)
+        for name, why in list(decision.absolute.items())[:MAX_WARNINGS]:
+            log.warning("%s: sent whole as absolute words (%s)", name, why)
+        return SnapshotFreeStats(
+            reconstructed=sum(
+                1 for n, (m, _) in decision.modes.items() if m in ("delta", "verify")
+            ),
+            snapshots=snapshots,
+            absolute=dict(decision.absolute),
+            blocks_verified=outcome.verified,
+            blocks_raw=outcome.raw,
+            uncertain=outcome.uncertain,
+            anchor_reason=decision.anchor_reason,
+        )
+
+    def adopt(self, decision: Decision, outcome: Outcome, *, anchor: bool) -> None:
+        """After the commit: the new digests (tensors switched to snapshots drop theirs; an
+        anchor replaces them all), the sticky snapshot reasons, and the inverter's step
+        watermark."""
+        self.sticky.update(decision.switch)
+        if anchor:
+            self.digests = {}
+        for name, d in outcome.digests.items():
+            if name in decision.switch:
+                self.digests.pop(name, None)
+            else:
+                self.digests[name] = d
+        self.inverter.mark()
+
+    def held_words(
+        self, items: Mapping[str, Item], snap_host: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """The words a writer holds after a full replace: a snapshot tensor's own, none for a
+        reconstructed one (its digests stand in for them)."""
+        out: dict[str, np.ndarray] = {}
+        for name, it in items.items():
+            if name in self.digests:
+                out[name] = EMPTY
+            elif name in snap_host:
+                out[name] = snap_host[name]
+            else:
+                out[name] = it.words()
+        return out
+
+
+def chunk_sums(
+    flat: torch.Tensor, grid: list[tuple[int, int]], chunk: int
+) -> tuple[list[int], np.ndarray]:
+    """Per-frame Adler-32 and the block digests of the bf16 cast of ``flat``, chunk by chunk
+    (for an attach: no copy of the tensor)."""
+    from deltastore.format.checksum import adler32
+    from deltastore.publish.snapfree import new_words
+
+    sums: list[int] = []
+    digests: list[np.ndarray] = []
+    for a, b in grid:
+        value = 1
+        for c in range(a, b, chunk):
+            words = new_words(flat, c, min(c + chunk, b))
+            value = adler32(words, value)
+            digests.append(digest_blocks(words))
+        sums.append(value)
+    return sums, np.concatenate(digests) if digests else np.empty(0, np.uint64)
+
+
+@dataclass
+class Prepared:
+    """A snapshot-free version encoded and uploaded, not committed yet: what the commit needs
+    (``kind``, ``parent``, ``reason``: the anchor or anchor-copy reason, ``pending``) and what
+    :meth:`adopt` applies once it is committed."""
+
+    kind: Literal["anchor", "delta"]
+    parent: Parent | None
+    reason: str | None
+    pending: Pending
+    items: dict[str, Item]
+    decision: Decision
+    outcome: Outcome
+    snap_host: dict[str, np.ndarray]
+    stats: SnapshotFreeStats
+
+    @property
+    def sizes(self) -> tuple[int, int]:
+        """Elements and dense bytes of what this writer published."""
+        numel = sum(math.prod(it.local.shape) for it in self.items.values())
+        dense = sum(
+            math.prod(it.local.shape) * (2 if it.param is not None else it.local.element_size())
+            for it in self.items.values()
+        )
+        return numel, dense
+
+    def adopt(self, w: ChainWriter, sf: SnapshotFree, manifest: Manifest) -> None:
+        """After the commit of ``manifest``: digests, watermark, held snapshot words."""
+        p = self.pending
+        sums = {n: TensorSums(p.frame_adler[n], e.adler32) for n, e in p.entries.items()}
+        sf.adopt(self.decision, self.outcome, anchor=self.kind == "anchor")
+        version, digest = manifest.version, manifest.state_digest
+        if self.kind == "delta" and not self.decision.switch:
+            w._held.update(version, digest, p.updates, sums)
+        else:
+            held = sf.held_words(self.items, self.snap_host)
+            specs = {n: it.spec for n, it in self.items.items()}
+            w._held.replace(version, digest, held, specs, sums, p.rows)
+
+
+def prepare(
+    w: ChainWriter,
+    sf: SnapshotFree,
+    items: dict[str, Item],
+    *,
+    version: int,
+    same_table: bool,
+    anchor: bool | None,
+    progress: ProgressFn | None,
+    rows: Mapping[str, tuple[int, int]] | None = None,
+    copies: bool = True,
+) -> Prepared:
+    """Decide, encode and upload a snapshot-free version of ``items`` (not committed).
+    ``same_table``: the items match the version held (a delta is possible); ``rows``: dim-0
+    rows of global tensors (a shard writer); ``copies``: the anchor policy applies."""
+    if anchor is False and not same_table:
+        raise ChainError(
+            "cannot publish a delta: no parent state, or the tensor names/dtypes/shapes "
+            "changed; publish an anchor (anchor=True or None)"
+        )
+    state = w._held.tensors
+    delta = same_table and not anchor and state is not None
+    decision = sf.decide(items, delta)
+    if decision.anchor_reason is not None:
+        if anchor is False:
+            raise ChainError(f"cannot publish a delta: {decision.anchor_reason}")
+        delta = False
+        why = decision.anchor_reason
+        decision = sf.decide(items, False)
+        decision.anchor_reason = why
+    kind: Literal["anchor", "delta"] = "delta" if delta else "anchor"
+    parent = w._parent() if delta else None
+    if delta:
+        reason = w._copy_reason() if copies and hasattr(w, "_copy_reason") else None
+    else:
+        reason = (
+            "forced"
+            if anchor
+            else "first version"
+            if state is None
+            else decision.anchor_reason or "the tensor table changed"
+        )
+    full = delta and reason is not None
+    snap = {n: it for n, it in items.items() if n not in decision.modes}
+    snap_host = {n: it.words() for n, it in snap.items()}
+    pending = Pending(rows=dict(rows or {}), copy_entries={} if full else None)
+    grids = {n: w._frames_of(math.prod(items[n].local.shape), 2) for n in decision.modes}
+    starts = {n: row_range(items[n].spec[1], rows[n])[0] for n in decision.modes} if rows else {}
+    prefix = f"{data_prefix(version)}{w.token[:12]}-"
+    uploads = Uploads(w._io, pending)
+    packs = PackWriter(uploads, prefix, w._max_object_bytes)
+    copy_packs = PackWriter(uploads, f"{prefix}anchor-", w._max_object_bytes)
+    encoders = w._encoders
+    parent_sums = (
+        {n: (state[n].frame_adler, state[n].adler) for n in decision.modes}
+        if delta and state is not None
+        else None
+    )
+    try:
+        jobs = sf.jobs(items, decision, grids, full)
+        with contextlib.closing(
+            encoders.run(lambda job: encode_frame(job, encoders.encoder()), jobs)
+        ) as results:
+            t0 = time.perf_counter()
+            outcome = sf.pack(
+                results,
+                items,
+                decision,
+                grids,
+                starts,
+                parent_sums,
+                packs.add,
+                copy_packs.add,
+                pending.entries,
+                pending.frame_adler,
+                pending.copy_entries,
+                pending.codecs,
+            )
+            pending.encode_s += time.perf_counter() - t0
+        specs = {n: it.spec for n, it in snap.items()}
+        w._pack(
+            snap_host,
+            specs,
+            state if delta else None,
+            kind,
+            progress,
+            {n: rows[n] for n in snap} if rows else None,
+            pending,
+            packs,
+            copy_packs,
+        )
+    except BaseException:
+        uploads.abort()
+        raise
+    uploads.finish()
+    stats = sf.stats(items, decision, outcome)
+    return Prepared(kind, parent, reason, pending, items, decision, outcome, snap_host, stats)
+
+
+def attach(
+    w: ChainWriter, sf: SnapshotFree, tensors: Mapping[str, torch.Tensor], manifest: Manifest
+) -> int:
+    """:meth:`Publisher.attach` with ``snapshot="none"``: check ``tensors`` against
+    ``manifest`` (names, published dtypes and shapes, per-tensor Adler-32), then hold the
+    block digests of the reconstructed ones (computed chunk by chunk, no words kept) and the
+    words of the others; marks the inverter's step watermark."""
+    from deltastore.errors import TensorMismatchError
+    from deltastore.publish.publisher import table_entry
+    from deltastore.tensors.tables import raise_if_mismatched
+
+    items = sf.items(tensors, table_entry)
+    table = {n: it.spec for n, it in items.items()}
+    if table != {n: (e.dtype, e.shape) for n, e in manifest.tensors.items()}:
+        raise TensorMismatchError(
+            f"the tensors (published as {sorted(table)}) are not those of version "
+            f"{manifest.version}: names, dtypes (float32 parameters are published as "
+            "bfloat16) or shapes differ"
+        )
+    sums: dict[str, TensorSums] = {}
+    digests: dict[str, np.ndarray] = {}
+    held: dict[str, np.ndarray] = {}
+    for name, it in items.items():
+        if it.param is not None and it.reason is None:
+            grid = w._frames_of(math.prod(it.local.shape), 2)
+            frames, digests[name] = chunk_sums(it.flat, grid, sf.chunk)
+            whole = combine_frames(
+                (fa, (b - a) * 2) for fa, (a, b) in zip(frames, grid, strict=True)
+            )
+            sums[name] = TensorSums(frames, whole)
+            held[name] = EMPTY
+        else:
+            held[name] = it.words()
+            sums[name] = w._checksums(held[name])
+    raise_if_mismatched(
+        [n for n, t in sums.items() if t.whole != manifest.tensors[n].adler32], manifest
+    )
+    w._held.replace(manifest.version, manifest.state_digest, held, table, sums, {})
+    sf.digests = digests
+    sf.inverter.mark()
+    return manifest.version
+
+
+__all__ = ["Item", "Outcome", "Prepared", "SnapshotFree", "attach", "chunk_sums", "prepare"]
