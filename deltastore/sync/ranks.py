@@ -442,10 +442,10 @@ class LayoutSync:
                 old, new = np.zeros_like(vals), vals
             else:
                 old, new = stage_at(dest, local, vals, xor=not seg.raw)
-                if seg.raw:  # new words: keep those that change (XOR masks all change)
-                    ch = np.flatnonzero(new != old)
-                    local, old, new = local[ch], old[ch], new[ch]
-                updates.append(Update(p.local, 0, local, old, new))
+                # new words: write those that change (XOR masks all change); the sums below
+                # take them all (an unchanged word adds nothing)
+                ch = np.flatnonzero(new != old) if seg.raw else slice(None)
+                updates.append(Update(p.local, 0, local[ch], old[ch], new[ch]))
             if totals.counting:
                 totals.add(
                     seg.tensor, contribution(seg.positions[sel], old, new, entry.nbytes, weights)
