@@ -319,9 +319,10 @@ class ReconstructedChunk:
 class Inversion:
     """One parameter's reconstruction, computed chunk by chunk on demand.
 
-    Reads the live parameter and moments: compute every chunk before the next
-    ``optimizer.step()``. :meth:`chunk` is pure numpy on copies of one range, so several threads
-    may compute different chunks at once (no step running meanwhile). Memory: O(chunk)."""
+    Reads the live parameter and moments (a DTensor's local shards: element offsets are then
+    in the local shard): compute every chunk before the next ``optimizer.step()``.
+    :meth:`chunk` is pure numpy on copies of one range, so several threads may compute
+    different chunks at once (no step running meanwhile). Memory: O(chunk)."""
 
     def __init__(
         self,
@@ -330,9 +331,13 @@ class Inversion:
         exp_avg_sq: torch.Tensor,
         coef: Coefficients,
     ) -> None:
-        self._flat = [t.detach().reshape(-1) for t in (param, exp_avg, exp_avg_sq)]
+        # a DTensor (FSDP2) parameter and its moments: this rank's local shards
+        local = [
+            t.to_local() if hasattr(t, "to_local") else t for t in (param, exp_avg, exp_avg_sq)
+        ]
+        self._flat = [t.detach().reshape(-1) for t in local]
         self.coefficients = coef
-        self.numel = int(param.numel())
+        self.numel = int(local[0].numel())
 
     def chunk(self, start: int, stop: int) -> ReconstructedChunk:
         """Elements ``[start, stop)`` (clipped to the parameter)."""

@@ -26,8 +26,8 @@ import operator
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -59,6 +59,9 @@ from deltastore.publish.snapshot import row_range
 from deltastore.store import Store
 from deltastore.tensors.dtypes import np_words
 
+if TYPE_CHECKING:
+    from deltastore.publish.snapfree_writer import Prepared
+
 log = logging.getLogger(__name__)
 
 Rows = tuple[int, int]
@@ -76,11 +79,46 @@ class RowSlice:
     tensor: torch.Tensor
     global_shape: Sequence[int]
     row_start: int = 0
+    #: The optimizer's parameter these rows belong to, when it is not ``tensor`` itself (an
+    #: FSDP2 DTensor); a snapshot-free writer finds the optimizer state through it.
+    param: torch.Tensor | None = None
 
     @classmethod
     def whole(cls, tensor: torch.Tensor) -> RowSlice:
         """All of ``tensor``, from one writer."""
         return cls(tensor, tuple(tensor.shape), 0)
+
+    @classmethod
+    def of(cls, param: torch.Tensor) -> RowSlice | None:
+        """This rank's rows of a DTensor parameter on a 1-D device mesh (FSDP2): for a
+        dim-0 ``Shard`` placement its local shard (``to_local()``), the global shape and the
+        first row (torch's even split: ``ceil(rows / world)`` rows per rank, from the rank's
+        mesh coordinate); for ``Replicate``, the whole tensor on coordinate 0 and None on the
+        others (leave it out of their slices: one writer gives it). A plain tensor is
+        :meth:`whole`. :class:`TensorMismatchError` for other placements."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if not isinstance(param, DTensor):
+            return cls.whole(param)
+        placements = tuple(param.placements)
+        coordinate = param.device_mesh.get_coordinate()
+        if len(placements) != 1 or coordinate is None:
+            raise TensorMismatchError(
+                f"RowSlice.of takes a DTensor on a 1-D mesh this rank is part of, got "
+                f"placements {placements}"
+            )
+        local = param.to_local()
+        shape = tuple(param.shape)
+        if isinstance(placements[0], Replicate):
+            return cls(local, shape, 0, param) if coordinate[0] == 0 else None
+        if not isinstance(placements[0], Shard) or placements[0].dim != 0:
+            raise TensorMismatchError(
+                f"RowSlice.of takes dim-0 Shard or Replicate placements, got {placements}"
+            )
+        rows = shape[0] if shape else 1
+        per = -(-rows // param.device_mesh.size())
+        start = min(coordinate[0] * per, rows)
+        return cls(local, shape, start, param)
 
 
 def _slice_spec(name: str, s: RowSlice) -> tuple[tuple[str, list[int]], Rows]:
@@ -112,6 +150,7 @@ class _Inflight:
     part: Part
     pending: Pending
     host: dict[str, np.ndarray]  # copies of an anchor's words (empty for a delta)
+    prepared: Prepared | None = None  # a snapshot-free part (adopted by finish)
 
 
 class ShardWriter(ChainWriter):
@@ -169,6 +208,8 @@ class ShardWriter(ChainWriter):
         rows: dict[str, Rows] = {}
         for name, s in slices.items():
             specs[name], rows[name] = _slice_spec(name, s)
+        if self._snapfree is not None:
+            return self._publish_snapshot_free(slices, rows, version, anchor, progress, t_start)
         held = self._held.tensors
         same = held is not None and {n: (*specs[n], rows[n]) for n in specs} == {
             n: (s.dtype, s.shape, s.rows) for n, s in held.items()
@@ -228,8 +269,70 @@ class ShardWriter(ChainWriter):
                 f"version {version} was committed without the part of rank {self.rank}; "
                 "attach() this writer to the newest version"
             )
-        self._adopt(manifest, inflight.host, inflight.pending, incremental=part.parent is not None)
+        if inflight.prepared is not None and self._snapfree is not None:
+            inflight.prepared.adopt(self, self._snapfree, manifest)
+        else:
+            incremental = part.parent is not None
+            self._adopt(manifest, inflight.host, inflight.pending, incremental=incremental)
         return manifest
+
+    def _publish_snapshot_free(
+        self,
+        slices: Mapping[str, RowSlice],
+        rows: dict[str, Rows],
+        version: int,
+        anchor: bool | None,
+        progress: ProgressFn | None,
+        t_start: float,
+    ) -> PublishReport:
+        """:meth:`publish` with ``snapshot="none"``: this writer's slices reconstructed from
+        its own optimizer shard (never an automatic anchor: all writers must agree)."""
+        from deltastore.publish.snapfree_writer import prepare
+
+        sf = self._snapfree
+        assert sf is not None
+        items = sf.items(
+            {n: s.tensor for n, s in slices.items()},
+            table_entry,
+            owners={n: s.param for n, s in slices.items()},
+            shapes={n: s.global_shape for n, s in slices.items()},
+        )
+        held = self._held.tensors
+        same = held is not None and {n: (*it.spec, rows[n]) for n, it in items.items()} == {
+            n: (s.dtype, s.shape, s.rows) for n, s in held.items()
+        }
+        self._inflight = None
+        prep = prepare(
+            self,
+            sf,
+            items,
+            version=version,
+            same_table=same,
+            anchor=anchor,
+            progress=progress,
+            rows=rows,
+            copies=False,
+            auto_anchor=False,
+        )
+        part = Part(
+            part_format=1,
+            version=version,
+            rank=self.rank,
+            world=self.world,
+            token=self.token,
+            library=f"deltastore {__version__}",
+            parent=prep.parent,
+            tensors={n: _part_tensor(e, rows[n]) for n, e in prep.pending.entries.items()},
+        )
+        t0 = time.perf_counter()
+        self.store.put_if_absent(
+            part_key(version, self.rank, self.world), part.model_dump_json(indent=1).encode()
+        )
+        prep.pending.upload_s += time.perf_counter() - t0
+        self._inflight = _Inflight(part, prep.pending, {}, prep)
+        report = self._report(version, prep.kind, prep.parent, {}, prep.pending, t_start)
+        numel, dense = prep.sizes
+        return replace(report, total_elements=numel, dense_bytes=dense, snapshot_free=prep.stats)
 
     def attach(self, slices: Mapping[str, RowSlice], *, version: int | None = None) -> int:
         """Continue the chain from this writer's ``slices`` of the store's newest version
@@ -242,6 +345,11 @@ class ShardWriter(ChainWriter):
         :class:`TensorMismatchError` (a slice differs, or the frames do not align with it:
         after a change of sharding or ``max_frame_bytes``, publish an anchor from every writer).
         """
+        if self._snapfree is not None:
+            raise ChainError(
+                "a shard writer with snapshot='none' cannot attach yet (it would read every "
+                "slice's words back through the chain): publish an anchor from every writer"
+            )
         manifest = self._head_manifest(version)
         specs: dict[str, tuple[str, list[int]]] = {}
         rows: dict[str, Rows] = {}

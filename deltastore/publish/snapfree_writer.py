@@ -123,12 +123,6 @@ class Outcome:
     warned: int = 0
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor, else ``t``."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
 class SnapshotFree:
     """Per-writer state of ``snapshot="none"`` (module docstring). ``chunk``: elements
     reconstructed per step (rounded to a multiple of :data:`BLOCK`). Not thread-safe."""
@@ -229,14 +223,6 @@ class SnapshotFree:
             assert it.param is not None
             plan = self.inverter.plan(it.param)
             if isinstance(plan, Inversion):
-                if hasattr(it.param, "to_local"):
-                    state = self.optimizer.state[it.param]
-                    plan = Inversion(
-                        it.flat,
-                        _local(state["exp_avg"]),
-                        _local(state["exp_avg_sq"]),
-                        plan.coefficients,
-                    )
                 d.modes[it.name] = ("delta", plan)
             elif plan.code in UNMOVED:
                 d.modes[it.name] = ("verify", None)
@@ -495,10 +481,13 @@ def prepare(
     progress: ProgressFn | None,
     rows: Mapping[str, tuple[int, int]] | None = None,
     copies: bool = True,
+    auto_anchor: bool = True,
 ) -> Prepared:
     """Decide, encode and upload a snapshot-free version of ``items`` (not committed).
     ``same_table``: the items match the version held (a delta is possible); ``rows``: dim-0
-    rows of global tensors (a shard writer); ``copies``: the anchor policy applies."""
+    rows of global tensors (a shard writer); ``copies``: the anchor policy applies;
+    ``auto_anchor``: a version whose reconstructed tensors are all gated becomes an anchor
+    (False for shard writers, which must agree: those tensors go whole in a delta)."""
     if anchor is False and not same_table:
         raise ChainError(
             "cannot publish a delta: no parent state, or the tensor names/dtypes/shapes "
@@ -507,6 +496,8 @@ def prepare(
     state = w._held.tensors
     delta = same_table and not anchor and state is not None
     decision = sf.decide(items, delta)
+    if decision.anchor_reason is not None and not auto_anchor:
+        decision.anchor_reason = None
     if decision.anchor_reason is not None:
         if anchor is False:
             raise ChainError(f"cannot publish a delta: {decision.anchor_reason}")
