@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         part_key,
         parts_prefix,
     )
+    from deltastore.publish.snapfree import SnapshotFreeStats
 
 _EXPORTS = {
     "Part": "deltastore.publish.sharded",
@@ -31,6 +32,7 @@ _EXPORTS = {
     "Publisher": "deltastore.publish.publisher",
     "RowSlice": "deltastore.publish.sharded",
     "ShardWriter": "deltastore.publish.sharded",
+    "SnapshotFreeStats": "deltastore.publish.snapfree",
     "abort_key": "deltastore.publish.sharded",
     "commit_parts": "deltastore.publish.sharded",
     "parse_part": "deltastore.publish.sharded",
@@ -44,6 +46,7 @@ __all__ = [
     "Publisher",
     "RowSlice",
     "ShardWriter",
+    "SnapshotFreeStats",
     "abort_key",
     "commit_parts",
     "parse_part",

@@ -506,7 +506,13 @@ class Publisher(ChainWriter):
 
     Keyword options: ``snapshot`` (``"memory"``: the parent's words in RAM; ``"disk"``: in a
     memory-mapped file under ``state_dir``, which also lets a restarted publisher continue
-    without :meth:`attach`), ``max_frame_bytes``
+    without :meth:`attach`; ``"none"``, with ``optimizer=`` the ``torch.optim.AdamW`` that
+    steps the published parameters: no copy of them, their previous words rebuilt from the
+    optimizer state and checked against block digests, float32 parameters published as
+    bfloat16, other tensors held as snapshots of their own; construct it before the first
+    ``step()`` to publish, publish after every step; see
+    :mod:`deltastore.publish.snapfree_writer` and :attr:`PublishReport.snapshot_free`),
+    ``max_frame_bytes``
     (dense bytes per frame, default 16 MiB), ``max_object_bytes`` (bytes per data object,
     default 64 MiB), ``zstd_level`` (default None: level 1 for the 0.1.0 codecs, tuned fast
     parameters for the 0.2.0 ones), ``max_workers`` (threads that detect and
