@@ -60,10 +60,11 @@ def patch_version(
     old: dict[str, torch.Tensor],
     new: dict[str, torch.Tensor],
     seed: int,
+    whole: str = "w",
 ) -> dict[str, int]:
     """Rewrite every frame of committed delta ``version`` as ``xor-patch``: per frame, the
     changed elements (30% of them as absolute new words, the others as XOR masks) plus 2% of
-    the unchanged ones as absolute words equal to the old; the first frame of ``w`` wholly
+    the unchanged ones as absolute words equal to the old; the first frame of ``whole`` wholly
     absolute (positions 0..n-1, as a writer that does not know the old words sends it).
     Written into a new data object; the manifest's ``changed`` counts entries. Returns the
     count of absolute entries equal to the old word, by tensor."""
@@ -80,7 +81,7 @@ def patch_version(
         for i, f in enumerate(t["frames"]):
             o, nw = o_all[f["start"] : f["stop"]], n_all[f["start"] : f["stop"]]
             n = o.size
-            if name == "w" and i == 0:
+            if name == whole and i == 0:
                 pos, absolute = np.arange(n), np.ones(n, np.bool_)
             else:
                 diff = o != nw
@@ -284,3 +285,20 @@ def test_a_reader_without_the_codec_refuses_it_by_name_before_fetching(
         sub.sync(version=1)
     assert not [k for k in reads if k.startswith("versions/00000000000000000001/")]
     assert sub.version == 0 and equal_bits(sub.tensors, states[0])
+
+
+def test_two_ranks_over_gloo_apply_xor_patch_versions_bit_exact(tmp_path: Path) -> None:
+    """The engine layout of ``tests/test_distributed.py`` (TP shards, a fused QKV, a padded
+    embedding) on two gloo ranks: absolute entries travel through the exchange as sparse new
+    words and as ranges; every rank checks its tensors bit-wise against plain torch ops."""
+    from tests.test_distributed import _publish, _spawn, versions
+
+    store = LocalStore(tmp_path / "store")
+    states = versions(4)
+    _publish(store, states, tmp_path)
+    for v in range(1, len(states)):
+        patch_version(store.root, v, states[v - 1], states[v], seed=v, whole="up")
+    assert XOR_PATCH in (store.root / manifest_key(1)).read_text()
+    config = {"init": str(tmp_path / "pg"), "url": str(store.root), "options": None}
+    results = _spawn(2, config | {"dir": str(tmp_path), "versions": len(states)})
+    assert [r["threads"] for r in results] == [[], []]
