@@ -576,3 +576,103 @@ def test_bar_check_status_of_older_documents() -> None:
     assert type(slow).model_validate({**old, "passed": True}).status == "pass"
     with pytest.raises(ValueError, match="status"):
         type(slow).model_validate({**old, "status": "n/a", "passed": True})
+
+
+# --- trainer in the loop (deltastore bench --mode trainer) ---------------------------------
+
+
+def test_trainer_mode_smoke(tmp_path: Path) -> None:
+    """The trainer mode on the tiny model, in this process (no timing asserted): every field
+    of the JSON is there and consistent, both publishers made the same versions, the
+    subscribers were bit-exact, the report and the performance page render it."""
+    from deltastore.bench.trainer import TrainerOptions, run_trainer
+    from deltastore.bench.trainer_report import trainer_markdown
+    from deltastore.bench.trainer_schema import TrainerResult
+
+    res = run_trainer(
+        TrainerOptions(
+            size="tiny", versions=2, warmup=1, workdir=tmp_path, in_process=True, log=print
+        )
+    )
+    res = TrainerResult.model_validate_json(res.model_dump_json())  # the JSON round-trips
+    assert res.mode == "trainer" and res.size == "tiny" and res.bf16_bytes == 2 * res.elements
+    assert "asked for" in res.size_reason
+    assert set(res.runs) == {"none", "memory"}
+    memory = res.runs["memory"]
+    assert memory.available and memory.median is not None and memory.exact is True
+    for run in res.runs.values():
+        if not run.available:  # the snapshot-free publisher is not built in this tree
+            assert run.error and not run.samples
+            continue
+        assert [s.version for s in run.samples] == [1, 2]
+        for s in run.samples:
+            assert s.step_s > 0 and s.publish_s > 0 and s.floor_s > 0
+            assert s.ratio == pytest.approx(s.publish_s / s.step_s)
+            assert s.payload_bytes > 0 and s.changed_elements > 0
+        assert run.exact is True
+    assert all(s.cast_s is not None and s.kernel_s is None for s in memory.samples)
+    if res.runs["none"].available:
+        none = res.runs["none"]
+        assert all(s.kernel_s is not None and s.blocks_raw == 0 for s in none.samples)
+        assert res.payload_ratio == pytest.approx(
+            float(
+                np.median(
+                    [
+                        a.payload_bytes / b.payload_bytes
+                        for a, b in zip(none.samples, memory.samples, strict=True)
+                    ]
+                )
+            )
+        )
+    assert res.same_versions and res.exact
+    digests = [[s.digest for s in r.samples] for r in res.runs.values() if r.available]
+    assert all(d == digests[0] for d in digests)
+    assert [b.name for b in res.bars] == [
+        "snapshot-free publish / optimizer.step()",
+        "snapshot-free extra peak RSS (bytes)",
+        "snapshot-free payload / memory snapshot payload",
+    ]
+    assert res.bars[1].threshold == 64 << 20  # 2% of the tiny model is less than 64 MiB
+    text = trainer_markdown(res)
+    assert "| none |" in text and "| memory |" in text and "### The bar" in text
+    source = tmp_path / "benchmarks" / "results" / "trainer.json"
+    source.parent.mkdir(parents=True)
+    source.write_text(res.model_dump_json(indent=1))
+    bench_json = tmp_path / "benchmarks" / "results" / "bench.json"
+    doc = tmp_path / "docs" / "performance.md"
+    doc.parent.mkdir()
+    assert report.main([str(bench_json), str(source), "--performance-doc", str(doc)]) == 1
+    bench_json.write_text(_minimal_bench().model_dump_json())
+    assert report.main([str(bench_json), str(source), "--performance-doc", str(doc)]) == 0
+    page = doc.read_text()
+    assert "## Results: trainer in the loop, tiny" in page
+    assert "[trainer.json](../benchmarks/results/trainer.json)" in page
+    assert "deltastore bench --mode trainer --size tiny" in page
+
+
+def _minimal_bench() -> BenchResult:
+    from deltastore.bench.runner import machine_info
+    from deltastore.bench.schema import WorkloadInfo
+
+    return BenchResult(
+        created="2026-12-03T00:00:00+00:00",
+        machine=machine_info(),
+        workload=WorkloadInfo(
+            size="tiny", elements=1, tensors=1, dense_bytes=2, lr=1e-6, seed=0, warmup=0,
+            versions=1, changed_elements=[0], changed_fraction=[0.0], digests=["0"],
+            generated_now=False, generate_s=0.0, folder="-",
+        ),
+        stores=[], scaling=None, bars=[], exact=True, skipped=[], wall_s=0.0,
+    )  # fmt: skip
+
+
+def test_trainer_size_is_the_largest_that_fits() -> None:
+    from deltastore.bench.trainer import choose_size
+
+    assert choose_size("auto", 25_000_000_000)[0] == "medium"  # large needs ~24 GB
+    assert choose_size("auto", 10**13)[0] == "large"
+    size, why = choose_size("auto", 1)
+    assert size == "tiny" and "small" in why
+    assert choose_size("small", 1)[0] == "small"
+    with pytest.raises(ValueError, match="unknown size"):
+        choose_size("huge", 10**12)

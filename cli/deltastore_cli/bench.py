@@ -1,9 +1,11 @@
-"""``deltastore bench``: deltastore against dense, COO and xor-dense baselines."""
+"""``deltastore bench``: deltastore against dense, COO and xor-dense baselines; with
+``--mode trainer``, real AdamW steps each followed by a publish, snapshot-free beside the
+memory snapshot."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 from rich.text import Text
@@ -18,12 +20,40 @@ from deltastore_cli.common import (
     settings,
     settle,
 )
-from deltastore_cli.options import SizeOpt, StorageOpt
+from deltastore_cli.options import SizeName, StorageOpt
+
+if TYPE_CHECKING:
+    from deltastore.bench.trainer import TrainerOptions
+
+BenchSizeOpt = Annotated[
+    SizeName | None,
+    typer.Option(
+        case_sensitive=False,
+        help="Synthetic model size.",
+        show_default="large; --mode trainer: the largest whose trainer fits in memory",
+    ),
+]
 
 
 def bench(
     ctx: typer.Context,
-    size: SizeOpt = "large",
+    size: BenchSizeOpt = None,
+    mode: Annotated[
+        Literal["transfer", "trainer"],
+        typer.Option(
+            help="transfer: every system through every store; trainer: real AdamW steps on "
+            "fp32 masters, each followed by a publish, the snapshot-free publisher beside the "
+            "memory snapshot, each in a process of its own (local stores; publish time vs "
+            "optimizer.step(), extra RSS, payload).",
+        ),
+    ] = "transfer",
+    optimizer: Annotated[
+        Literal["foreach", "fused", "single-tensor"],
+        typer.Option(help="--mode trainer: the torch.optim.AdamW implementation."),
+    ] = "foreach",
+    weight_decay: Annotated[
+        float, typer.Option(min=0.0, help="--mode trainer: AdamW weight decay.")
+    ] = 0.1,
     store: Annotated[
         str,
         typer.Option(help="Comma-separated stores: local, moto (S3 over HTTP), or store URLs."),
@@ -70,6 +100,23 @@ def bench(
     )
 
     quiet = settings(ctx).quiet
+    log = (lambda _: None) if quiet else (lambda m: err_console.print(Text(m), highlight=False))
+    if mode == "trainer":
+        from deltastore.bench.trainer import TrainerOptions
+
+        options = TrainerOptions(
+            size=size or "auto",
+            versions=versions,
+            warmup=warmup,
+            lr=lr,
+            weight_decay=weight_decay,
+            seed=seed,
+            optimizer=optimizer,
+            workdir=workdir,
+            log=log,
+        )
+        _trainer(options, json_path, markdown_path)
+        return
     stores = [s.strip() for s in store.split(",") if s.strip()]
     if not stores:
         raise typer.BadParameter("--store names no store")
@@ -87,7 +134,7 @@ def bench(
             raise typer.Exit(EXIT_ERROR) from None
     result = run_bench(
         BenchOptions(
-            size=size,
+            size=size or "large",
             stores=stores,
             versions=versions,
             lr=lr,
@@ -96,9 +143,7 @@ def bench(
             workdir=workdir,
             storage_options=parse_storage_options(storage_option),
             link=link,
-            log=(lambda _: None)
-            if quiet
-            else (lambda m: err_console.print(Text(m), highlight=False)),
+            log=log,
         )
     )
     report = markdown(result)
@@ -108,6 +153,27 @@ def bench(
         markdown_path.write_text(report)
     if plot_path is not None:
         plot(result, plot_path)
+    settle()
+    out_console.print(Text(report), highlight=False, end="")
+    if not result.exact:
+        raise typer.Exit(EXIT_MISMATCH)
+
+
+def _trainer(
+    options: TrainerOptions,
+    json_path: Path | None,
+    markdown_path: Path | None,
+) -> None:
+    """``--mode trainer``: run, write the JSON and markdown, print the report."""
+    from deltastore.bench.trainer import run_trainer
+    from deltastore.bench.trainer_report import trainer_markdown
+
+    result = run_trainer(options)
+    report = trainer_markdown(result)
+    if json_path is not None:
+        json_path.write_text(result.model_dump_json(indent=1) + "\n")
+    if markdown_path is not None:
+        markdown_path.write_text(report)
     settle()
     out_console.print(Text(report), highlight=False, end="")
     if not result.exact:

@@ -25,6 +25,14 @@ from pydantic import ValidationError
 
 from deltastore.bench.analysis import holds
 from deltastore.bench.schema import BASELINES, SCHEMA_VERSION, BenchResult, StoreResult
+from deltastore.bench.trainer_report import (
+    is_trainer_json,
+    trainer_command,
+    trainer_left,
+    trainer_markdown,
+    trainer_summary,
+)
+from deltastore.bench.trainer_schema import TrainerResult
 
 #: The last section of docs/performance.md: measured facts the code's choices rest on (the
 #: code cites this section); static text, not from the results JSON.
@@ -475,22 +483,29 @@ def _label(result: BenchResult) -> str:
 def performance_doc(
     runs: Sequence[tuple[BenchResult, str | os.PathLike[str]]],
     doc: str | os.PathLike[str] = "docs/performance.md",
+    trainers: Sequence[tuple[TrainerResult, str | os.PathLike[str]]] = (),
 ) -> str:
     """``docs/performance.md`` from results JSONs, each a ``(result, path)``: where the numbers
     come from, a summary, what is left, each run's full report (every system, the strongest
     baselines named, the floors, ratios, each check; a run through a shaped link beside the
-    loopback one), the machines, and the measured limits the code rests on. Links are relative
-    to ``doc``, the path the page is written to."""
+    loopback one), the machines, and the measured limits the code rests on. ``trainers``:
+    trainer-in-the-loop runs (``--mode trainer``), each with its summary, what is left and its
+    report. Links are relative to ``doc``, the path the page is written to."""
     if not runs:
         raise ValueError("performance_doc needs at least one run")
     readme = _link(Path(__file__).resolve().parents[2] / "benchmarks" / "README.md", doc)
-    sources = " ".join(Path(src).as_posix() for _, src in runs)
+    sources = " ".join(Path(src).as_posix() for _, src in [*runs, *trainers])
     listed = [
         f"- {_label(r)}: `deltastore bench --size {r.workload.size}`, {r.workload.versions} "
         f"AdamW versions of a {r.workload.elements / 1e6:.0f}M-element bf16 model, "
         f"[{Path(src).name}]({_link(src, doc)}) (schema version {r.schema_version}, "
         f"{r.created[:10]}); machine: {_machine(r)}."
         for r, src in runs
+    ] + [
+        f"- trainer in the loop, {t.size}: `deltastore bench --mode trainer`, {t.versions} "
+        f"AdamW {t.optimizer} steps of a {t.elements / 1e6:.0f}M-parameter fp32 trainer, each "
+        f"followed by a publish, [{Path(src).name}]({_link(src, doc)}) ({t.created[:10]})."
+        for t, src in trainers
     ]
     out = [
         "# Performance",
@@ -510,6 +525,7 @@ def performance_doc(
         "",
         "```sh",
         *[_command(r, src) for r, src in runs],
+        *[trainer_command(t, src) for t, src in trainers],
         f".venv/bin/python -m deltastore.bench.report {sources} "
         f"--performance-doc {Path(doc).as_posix()}",
         "```",
@@ -519,12 +535,20 @@ def performance_doc(
     ]
     for r, _ in runs:
         out += [f"### {_label(r)}", "", *_summary(r), ""]
+    for t, _ in trainers:
+        out += [f"### trainer in the loop, {t.size}", "", *trainer_summary(t), ""]
     out += ["## What is left", ""]
     for r, _ in runs:
         out += [f"### {_label(r)}", "", *_left(r), ""]
+    for t, _ in trainers:
+        left = trainer_left(t) or ["Every check of the trainer bar passes."]
+        out += [f"### trainer in the loop, {t.size}", "", *left, ""]
     for r, _ in runs:
         out += [f"## Results: {_label(r)} ({r.created[:10]})", ""]
         out += [markdown(r, level=3).rstrip("\n"), ""]
+    for t, _ in trainers:
+        out += [f"## Results: trainer in the loop, {t.size} ({t.created[:10]})", ""]
+        out += [trainer_markdown(t, level=3).rstrip("\n"), ""]
     out += ["## Measured limits and pitfalls", "", LIMITS_AND_PITFALLS.strip(), ""]
     return "\n".join(out)
 
@@ -614,15 +638,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        runs = [(load_result(path), path) for path in args.results]
+        trainers = [(load_trainer_result(p), p) for p in args.results if _is_trainer(p)]
+        runs = [(load_result(p), p) for p in args.results if not _is_trainer(p)]
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if args.performance_doc is None:
-        sys.stdout.write("\n".join(markdown(r) for r, _ in runs))
+        texts = [markdown(r) for r, _ in runs] + [trainer_markdown(t) for t, _ in trainers]
+        sys.stdout.write("\n".join(texts))
     else:
-        args.performance_doc.write_text(performance_doc(runs, args.performance_doc))
+        args.performance_doc.write_text(performance_doc(runs, args.performance_doc, trainers))
     return 0
+
+
+def _is_trainer(path: Path) -> bool:
+    return path.is_file() and is_trainer_json(path.read_text())
+
+
+def load_trainer_result(path: str | os.PathLike[str]) -> TrainerResult:
+    """A trainer-in-the-loop results JSON (``deltastore bench --mode trainer --json``)."""
+    try:
+        return TrainerResult.model_validate_json(Path(path).read_text())
+    except ValidationError as exc:
+        raise ValueError(
+            f"{path} is not a trainer results JSON of schema version 1: "
+            f"{exc.error_count()} errors, first: {exc.errors()[0]['loc']}: "
+            f"{exc.errors()[0]['msg']}"
+        ) from None
 
 
 if __name__ == "__main__":

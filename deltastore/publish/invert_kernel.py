@@ -244,7 +244,10 @@ def default_threads() -> int:
 
 
 def _parts(size: int, threads: int | None) -> list[tuple[int, int]]:
-    count = max(1, min(threads if threads is not None else default_threads(), size // MIN_PART))
+    if threads is None:  # a worker thread's caller already runs chunks in parallel
+        main = threading.current_thread() is threading.main_thread()
+        threads = default_threads() if main else 1
+    count = max(1, min(threads, size // MIN_PART))
     bounds = [size * i // count for i in range(count + 1)]
     return list(itertools.pairwise(bounds))
 
@@ -283,8 +286,10 @@ def invert_chunk(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Previous bf16 words (``<u2``) and the certain mask (bool) of one chunk: bit-identical
     to :func:`deltastore.publish.reconstruct.invert_chunk` (same arguments). ``threads``:
-    split the chunk across this many threads (default :func:`default_threads`; parts of at
-    least :data:`MIN_PART` elements). Memory: the two outputs (3 bytes per element)."""
+    split the chunk across this many threads (parts of at least :data:`MIN_PART` elements;
+    default: :func:`default_threads` when called from the main thread, 1 from any other, whose
+    caller is taken to run chunks in parallel already: nested splits only wait on each
+    other). Memory: the two outputs (3 bytes per element)."""
     p, m, v = _inputs(param, exp_avg, exp_avg_sq)
     words = np.empty(p.shape[0], dtype="<u2")
     certain = np.empty(p.shape[0], dtype=np.bool_)
