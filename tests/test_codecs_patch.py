@@ -28,7 +28,7 @@ from deltastore.format.codecs import (
     stored_bound,
 )
 from deltastore.format.codecs.patch import flag_bytes, patch_bounds, patch_size
-from deltastore.format.codecs.v2 import _planes, position_gaps, position_parts
+from deltastore.format.codecs.v2 import byte_planes, position_gaps, position_parts
 from deltastore.format.dtypes import word_dtype
 
 FAST = settings(
@@ -231,7 +231,7 @@ def content(
     kk, e, low_bits, _ = struct.unpack("<IIB3s", header)
     header = struct.pack("<IIB3s", kk if k is None else k, e, low_bits, reserved)
     packed = np.packbits(absolute, bitorder="little").tobytes() if flags is None else flags
-    return header + b"".join(parts) + packed + b"".join(_planes(words))
+    return header + b"".join(parts) + packed + b"".join(byte_planes(words))
 
 
 def zstd(raw: bytes) -> bytes:

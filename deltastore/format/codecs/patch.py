@@ -43,9 +43,9 @@ from deltastore.format.codecs.v2 import (
     SPARSE2_HEADER,
     FrameDecoder2,
     FrameEncoder2,
-    _planes,
-    _unplanes,
+    byte_planes,
     decode_positions,
+    from_byte_planes,
     position_gaps,
     position_parts,
     read_header,
@@ -106,7 +106,7 @@ def encode_patch(
             header + parts[0],
             *parts[1:],
             np.packbits(flags, bitorder="little").tobytes(),
-            *_planes(words),
+            *byte_planes(words),
         ],
         blocks=k >= BLOCKS_MIN_CHANGES,
     )
@@ -125,7 +125,7 @@ def decode_patch(
             f"(n={n}, changed={changed})"
         )
     lo, hi = patch_bounds(n, size, changed)
-    content = dec._content_size(data, lo, hi, XOR_PATCH)
+    content = dec.content_size(data, lo, hi, XOR_PATCH)
     if not sparse2_possible(content - flag_bytes(changed), n, size, changed):
         raise FrameError(
             f"xor-patch zstd frame declares {content} content bytes, not a size an "
@@ -143,7 +143,7 @@ def decode_patch(
     if k % 8 and int(packed[-1]) >> (k % 8):
         raise FrameError("xor-patch flag padding bits (after the last entry) are not zero")
     absolute = np.unpackbits(packed, count=k, bitorder="little").view(np.bool_)
-    words = _unplanes(raw, offset + flag_bytes(k), k, size)
+    words = from_byte_planes(raw, offset + flag_bytes(k), k, size)
     if not (words.astype(np.bool_) | absolute).all():
         raise FrameError(
             "xor-patch frame holds a zero XOR mask (an XOR entry whose element did not change)"

@@ -156,14 +156,14 @@ def _low_width(low_bits: int) -> int:
 # --- byte planes ------------------------------------------------------------------------------
 
 
-def _planes(words: np.ndarray) -> list[bytes]:
+def byte_planes(words: np.ndarray) -> list[bytes]:
     """Byte planes of unsigned words: [all byte 0s, all byte 1s, ...] (plane by plane)."""
     size = words.dtype.itemsize
     src = np.ascontiguousarray(words).view(np.uint8).reshape(-1, size)
     return [src[:, j].tobytes() for j in range(size)]
 
 
-def _unplanes(
+def from_byte_planes(
     raw: bytes, offset: int, count: int, size: int, dtype: np.dtype[Any] | None = None
 ) -> np.ndarray:
     """Words from ``size`` byte planes of ``count`` bytes at ``offset``, as ``dtype``
@@ -187,7 +187,7 @@ def _low_planes(gaps: np.ndarray, low_bits: int) -> list[bytes]:
     low = gaps & ((1 << low_bits) - 1)
     if width == 1:
         return [low.astype(np.uint8).tobytes()]
-    return _planes(low.astype(word_dtype(2 if width == 2 else 4)))[:width]
+    return byte_planes(low.astype(word_dtype(2 if width == 2 else 4)))[:width]
 
 
 # --- the position coding (shared by ``xor-sparse2`` and ``xor-patch``) ----------------------
@@ -227,7 +227,7 @@ def position_parts(
     return header, [
         tokens.tobytes(),
         *_low_planes(gaps, low_bits),
-        *(_planes(escaped.astype("<u4")) if escaped.size else []),
+        *(byte_planes(escaped.astype("<u4")) if escaped.size else []),
     ]
 
 
@@ -254,7 +254,7 @@ def decode_positions(
     tokens = np.frombuffer(raw, dtype=np.uint8, count=k, offset=SPARSE2_HEADER)
     offset = SPARSE2_HEADER + k
     width = _low_width(low_bits)
-    low = _unplanes(raw, offset, k, width, np.dtype("<u4")) if width > 1 else None
+    low = from_byte_planes(raw, offset, k, width, np.dtype("<u4")) if width > 1 else None
     if width == 1:
         low = np.frombuffer(raw, dtype=np.uint8, count=k, offset=offset)
     offset += width * k
@@ -266,7 +266,7 @@ def decode_positions(
         if at.size != e:
             raise FrameError(f"{codec} frame has {at.size} escape tokens and {e} escapes")
         gaps = tokens.astype(np.uint64)  # the high parts first
-        gaps[at] += _unplanes(raw, offset, e, 4)
+        gaps[at] += from_byte_planes(raw, offset, e, 4)
         top = int(gaps.max())
         if top <= (n - 1) >> low_bits:
             gaps <<= shift
@@ -342,7 +342,7 @@ class FrameEncoder2:
             raise ValueError("xor-sparse2 needs strictly increasing positions, non-zero masks")
         header, parts = position_parts(pos, gaps, low_bits)
         return self.compress_parts(
-            [header + parts[0], *parts[1:], *_planes(masks)],
+            [header + parts[0], *parts[1:], *byte_planes(masks)],
             blocks=k >= BLOCKS_MIN_CHANGES,
         )
 
@@ -375,8 +375,10 @@ class FrameDecoder2:
         self._dctx = zstandard.ZstdDecompressor(max_window_size=max_window_size)
         self._chunk = np.empty(-(-CHUNK_BYTES // 8) * 8, dtype=np.uint8)
 
-    def _content_size(self, data: bytes, lo: int, hi: int, codec: str) -> int:
-        """The frame's declared content size, after the checks of spec sections 8.1 and 8.3."""
+    def content_size(self, data: bytes, lo: int, hi: int, codec: str) -> int:
+        """The frame's declared content size, after the checks of spec sections 8.1 and 8.3
+        against the content bounds ``[lo, hi]`` its manifest entry implies (before anything is
+        decompressed); :class:`FrameError` otherwise."""
         return content_size(data, lo, hi, self._max_window, codec)
 
     def sparse2(
@@ -389,7 +391,7 @@ class FrameDecoder2:
                 f"changes (n={n}, changed={changed})"
             )
         lo, hi = sparse2_bounds(n, size, changed)
-        content = self._content_size(data, lo, hi, XOR_SPARSE2)
+        content = self.content_size(data, lo, hi, XOR_SPARSE2)
         if not sparse2_possible(content, n, size, changed):
             raise FrameError(
                 f"xor-sparse2 zstd frame declares {content} content bytes, not a size an "
@@ -405,14 +407,14 @@ class FrameDecoder2:
         if k == 0:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=word_dtype(size))
         positions, offset = decode_positions(raw, n, k, e, low_bits, XOR_SPARSE2)
-        masks = _unplanes(raw, offset, k, size)
+        masks = from_byte_planes(raw, offset, k, size)
         if not masks.all():
             raise FrameError("xor-sparse2 frame holds a zero mask (an element that did not change)")
         return positions, masks
 
     def decompress_exact(self, data: bytes, content: int, codec: str) -> bytes:
         """The content of a frame whose declared ``content`` size was checked (by
-        :meth:`_content_size`), exactly that long; :class:`FrameError` otherwise."""
+        :meth:`content_size`), exactly that long; :class:`FrameError` otherwise."""
         try:
             raw = self._dctx.decompress(data)
         except zstandard.ZstdError as exc:
@@ -429,7 +431,7 @@ class FrameDecoder2:
         size = out.dtype.itemsize
         n = int(out.size)
         dst = out.reshape(-1).view(np.uint8).reshape(n, size)
-        self._content_size(data, n * size, n * size, RAW_PLANES)
+        self.content_size(data, n * size, n * size, RAW_PLANES)
         try:
             with self._dctx.stream_reader(data, read_across_frames=False) as reader:
                 for j in range(size):
@@ -447,7 +449,7 @@ class FrameDecoder2:
         (in element order). The whole content (``n * size`` bytes, its declared size) is
         decompressed first; each yielded array is a view of a reused buffer, valid until the
         next step."""
-        self._content_size(data, n * size, n * size, RAW_PLANES)
+        self.content_size(data, n * size, n * size, RAW_PLANES)
         try:
             raw = self._dctx.decompress(data)
         except zstandard.ZstdError as exc:
@@ -490,8 +492,10 @@ __all__ = [
     "XOR_SPARSE2",
     "FrameDecoder2",
     "FrameEncoder2",
+    "byte_planes",
     "choose_low_bits",
     "decode_positions",
+    "from_byte_planes",
     "max_escapes",
     "position_gaps",
     "position_parts",
