@@ -22,7 +22,15 @@ import xxhash
 import deltastore.sync.routing
 import deltastore.sync.stage
 import deltastore.tensors.words
-from deltastore import FrameError, IntegrityError, Layout, Publisher, Subscriber, shard
+from deltastore import (
+    FrameError,
+    IntegrityError,
+    Layout,
+    ManifestError,
+    Publisher,
+    Subscriber,
+    shard,
+)
 from deltastore.format import codecs
 from deltastore.format.codecs import XOR_PATCH, FrameEncoder
 from deltastore.format.manifest import LATEST_KEY, manifest_key, parse_manifest
@@ -302,3 +310,31 @@ def test_two_ranks_over_gloo_apply_xor_patch_versions_bit_exact(tmp_path: Path) 
     config = {"init": str(tmp_path / "pg"), "url": str(store.root), "options": None}
     results = _spawn(2, config | {"dir": str(tmp_path), "versions": len(states)})
     assert [r["threads"] for r in results] == [[], []]
+
+
+def test_a_codec_of_a_newer_edition_is_named_when_the_manifest_is_parsed(
+    chain: tuple[Path, list[dict[str, torch.Tensor]]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a reader says about a codec its manifest model does not know (as deltastore 0.3.0
+    would of an edition-5 codec): the codec by name and "upgrade", not "malformed", and no
+    frame of that version is fetched."""
+    root = copy_of(chain, tmp_path)
+    doc = json.loads((root / manifest_key(2)).read_bytes())
+    doc["tensors"]["norm"]["frames"][0]["codec"] = "xor-future"
+    (root / manifest_key(2)).write_text(json.dumps(doc))
+    sub = Subscriber(root)
+    sub.sync(version=1)
+    reads: list[str] = []
+    real = LocalStore.get_range
+
+    def spy(self: LocalStore, key: str, *args: Any) -> bytes:
+        reads.append(key)
+        return real(self, key, *args)
+
+    monkeypatch.setattr(LocalStore, "get_range", spy)
+    with pytest.raises(ManifestError, match=r"unknown frame codec 'xor-future'.*upgrade"):
+        sub.sync(version=2)
+    assert not [k for k in reads if k.startswith("versions/00000000000000000002/")]
+    assert sub.version == 1 and equal_bits(sub.tensors, chain[1][1])

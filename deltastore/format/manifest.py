@@ -35,7 +35,7 @@ from pydantic import (
 )
 
 from deltastore.errors import ManifestError, UnsupportedFormatError
-from deltastore.format.codecs import NEW_WORDS_CODECS, Codec
+from deltastore.format.codecs import CODEC_TABLE, NEW_WORDS_CODECS, Codec, unknown_codec
 from deltastore.format.dtypes import NAMES, itemsize
 
 # Key names live in deltastore.format.keys; re-exported here for code that imported them
@@ -389,7 +389,24 @@ def parse_manifest(data: bytes, *, key: str = "manifest") -> Manifest:
     try:
         return Manifest.model_validate(obj)
     except ValidationError as exc:
+        codec = _unknown_codec(obj)
+        if codec is not None:  # a newer edition's codec: say so, not "malformed"
+            raise ManifestError(f"{key}: {unknown_codec(codec)}") from None
         raise ManifestError(f"{key} is malformed: {validation_summary(exc)}") from None
+
+
+def _unknown_codec(obj: dict[str, Any]) -> str | None:
+    """The first frame ``codec`` of a manifest that failed validation that this reader does
+    not know (a string), if any: such a manifest was written by a newer deltastore (a newer
+    edition, spec section 6.2.1), which the error says. Only called on the error path."""
+    tensors = obj.get("tensors")
+    for entry in tensors.values() if isinstance(tensors, dict) else ():
+        frames = entry.get("frames") if isinstance(entry, dict) else None
+        for frame in frames if isinstance(frames, list) else ():
+            codec = frame.get("codec") if isinstance(frame, dict) else None
+            if isinstance(codec, str) and codec not in CODEC_TABLE:
+                return codec
+    return None
 
 
 def parse_latest(data: bytes) -> Latest:
