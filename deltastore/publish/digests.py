@@ -10,8 +10,8 @@ start), so a tensor's digests are the concatenation of its frames' (:func:`block
 A reconstructed block holds *certain* words (proven by the error bound) and a few uncertain
 ones. Its best guess misses the digest whenever an uncertain word is wrong, so
 :func:`resolve_block` tries the likely candidates of the uncertain words (``+0`` where the
-bound touches zero, the best guess, the words at both ends of the bound) up to
-:data:`MAX_TRIES` combinations; a match proves the whole block, certain words included (up to
+bound touches zero, the best guess, then the words within the bound nearest to it first) up
+to :data:`MAX_TRIES` combinations; a match proves the whole block, certain words included (up to
 XXH3-64 collisions). A block that does not match is not used as a parent: it is sent whole as
 absolute words. Pure functions, thread-safe; words are ``<u2`` (or any unsigned words).
 """
@@ -19,8 +19,7 @@ absolute words. Pure functions, thread-safe; words are ``<u2`` (or any unsigned 
 from __future__ import annotations
 
 import itertools
-import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -29,6 +28,8 @@ import xxhash
 BLOCK = 4096
 #: Most candidate combinations of a block's uncertain words tried against its digest.
 MAX_TRIES = 1024
+#: Most candidate words of one uncertain element.
+MAX_CANDIDATES = 64
 
 
 def block_count(n: int) -> int:
@@ -60,17 +61,51 @@ def digest_blocks(words: np.ndarray) -> np.ndarray:
     )
 
 
+def _key(word: int) -> int:
+    """A bf16 word's rank in value order (``-0`` just below ``+0``; NaN words not handled)."""
+    return word if word < 0x8000 else 0x7FFF - word
+
+
+def _word(key: int) -> int:
+    return key if key >= 0 else 0x7FFF - key
+
+
 def candidate_lists(
     best: np.ndarray, lo: np.ndarray, hi: np.ndarray, zero: np.ndarray
 ) -> list[list[int]]:
     """Per uncertain element, its candidate words, most likely first: ``+0`` where the bound
-    touches zero (zero-initialised elements), the best guess, then both ends of the bound
-    (duplicates dropped)."""
+    touches zero (zero-initialised elements), the best guess, then the words between the two
+    ends of the bound (``lo``, ``hi``: the true word lies between them in value) nearest to
+    the best guess first, at most :data:`MAX_CANDIDATES` in all (fewer for many elements:
+    no more than :data:`MAX_TRIES` combinations are tried)."""
     out: list[list[int]] = []
+    # ranks beyond what MAX_TRIES combinations of this many elements reach are never tried
+    cap = max(2, min(MAX_CANDIDATES, MAX_TRIES // max(1, best.size) + 1))
     for b, lw, hw, z in zip(best.tolist(), lo.tolist(), hi.tolist(), zero.tolist(), strict=True):
-        cands = [0, b, lw, hw] if z else [b, lw, hw]
-        out.append(list(dict.fromkeys(cands)))
+        cands = [0, b] if z else [b]
+        if all((w & 0x7F80) != 0x7F80 for w in (b, lw, hw)):  # no NaN or infinity
+            kb, k1, k2 = _key(b), _key(lw), _key(hw)
+            low, high = min(k1, k2, kb), max(k1, k2, kb)
+            for step in range(1, cap):
+                if len(cands) >= cap or (kb - step < low and kb + step > high):
+                    break
+                cands += [_word(k) for k in (kb - step, kb + step) if low <= k <= high]
+        out.append(list(dict.fromkeys(cands))[:cap])
     return out
+
+
+def _by_distance(sizes: Sequence[int]) -> Iterator[dict[int, int]]:
+    """Every choice of candidate ranks (``0 <= r[i] < sizes[i]``) as ``{i: r[i]}`` for the
+    non-zero ranks, by increasing sum of ranks: the most likely words first, then one word
+    off by one, and so on."""
+    k = len(sizes)
+    for total in range(sum(sizes) - k + 1):
+        for picks in itertools.combinations_with_replacement(range(k), total):
+            ranks: dict[int, int] = {}
+            for i in picks:
+                ranks[i] = ranks.get(i, 0) + 1
+            if all(r < sizes[i] for i, r in ranks.items()):
+                yield ranks
 
 
 def resolve_block(
@@ -79,22 +114,18 @@ def resolve_block(
     """Whether some choice of ``candidates`` for the words at block-local ``uncertain``
     positions makes ``guess`` (the block's reconstructed words, changed in place while
     trying; restored to the best guess on return) hash to ``expected``. Tries at most
-    :data:`MAX_TRIES` combinations: all of them when few enough, else the first candidate
-    of the elements whose bound touches zero and every combination of the others."""
+    :data:`MAX_TRIES` combinations, nearest to the most likely words first (by the sum of
+    the candidates' ranks)."""
     saved = guess[uncertain].copy()
+    base = np.asarray([c[0] for c in candidates], dtype=guess.dtype)
     try:
-        sizes = [len(c) for c in candidates]
-        if math.prod(sizes) <= MAX_TRIES:
-            pools = candidates
-        else:  # fix the elements with several candidates around zero to their first one
-            pools = [c if len(c) <= 2 else c[:1] for c in candidates]
-            if math.prod(len(c) for c in pools) > MAX_TRIES:
-                pools = [c[:1] if len(c) > 2 or c[0] == 0 else c for c in candidates]
-                if math.prod(len(c) for c in pools) > MAX_TRIES:
-                    return False
-        dtype = guess.dtype
-        for combo in itertools.product(*pools):
-            guess[uncertain] = np.asarray(combo, dtype=dtype)
+        for tries, ranks in enumerate(_by_distance([len(c) for c in candidates])):
+            if tries >= MAX_TRIES:
+                return False
+            words = base.copy()
+            for i, r in ranks.items():
+                words[i] = candidates[i][r]
+            guess[uncertain] = words
             if digest(guess) == expected:
                 return True
         return False
@@ -104,6 +135,7 @@ def resolve_block(
 
 __all__ = [
     "BLOCK",
+    "MAX_CANDIDATES",
     "MAX_TRIES",
     "block_count",
     "block_offsets",

@@ -87,6 +87,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
 DEFAULT_MAX_OBJECT_BYTES = 64 << 20
+#: Default frame size of ``snapshot="none"`` (1 Mi bf16 elements: one reconstruction chunk;
+#: the encoder holds a frame's entries at once, so frames bound the publisher's memory).
+SNAPSHOT_FREE_FRAME_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,8 @@ class ChainWriter:
         self._snapfree = _snapshot_free(snapshot, optimizer, codecs, state_dir)
         if self._snapfree is not None:
             snapshot = "memory"  # holds the words of snapshot tensors only
+            if max_frame_bytes == DEFAULT_MAX_FRAME_BYTES:  # a frame's entries are held whole
+                max_frame_bytes = SNAPSHOT_FREE_FRAME_BYTES
         if anchor_policy is not None and self._shard is not None:
             raise ValueError("anchor_policy is a Publisher option; shard writers write no copies")
         self._policy = AnchorPolicy.parse(anchor_policy)
@@ -506,30 +511,28 @@ class Publisher(ChainWriter):
 
     Keyword options: ``snapshot`` (``"memory"``: the parent's words in RAM; ``"disk"``: in a
     memory-mapped file under ``state_dir``, which also lets a restarted publisher continue
-    without :meth:`attach`; ``"none"``, with ``optimizer=`` the ``torch.optim.AdamW`` that
-    steps the published parameters: no copy of them, their previous words rebuilt from the
-    optimizer state and checked against block digests, float32 parameters published as
-    bfloat16, other tensors held as snapshots of their own; construct it before the first
-    ``step()`` to publish, publish after every step; see
-    :mod:`deltastore.publish.snapfree_writer` and :attr:`PublishReport.snapshot_free`),
-    ``max_frame_bytes``
-    (dense bytes per frame, default 16 MiB), ``max_object_bytes`` (bytes per data object,
-    default 64 MiB), ``zstd_level`` (default None: level 1 for the 0.1.0 codecs, tuned fast
-    parameters for the 0.2.0 ones), ``max_workers`` (threads that detect and
-    encode frames, default 2), ``codecs`` (``"v2"``, default: each frame in the smallest of
-    all codecs, anchors in ``raw-planes``, readable from deltastore 0.2.0; ``"v1"``: only the
-    codecs deltastore 0.1.0 reads, for older receivers), ``signing_key`` (a
-    :class:`~deltastore.SigningKey` that signs every manifest, and that :meth:`attach`
-    requires on the head manifest; default: ``DELTASTORE_SIGNING_KEY`` if set; None: unsigned),
-    ``unsafe_commits`` (publish to a store whose service ignores create-if-absent
-    preconditions, which is refused otherwise: only one publisher may then write to the
-    store; each commit is read back and :class:`ForkError` raised when the manifest is not
-    this publisher's; a no-op on stores that enforce them), ``anchor_policy`` (when a delta
-    also gets an anchor copy ``anchors/<v>.json`` for fresh replicas, written after its
-    commit: ``"cost"``, the default: when the stored bytes of the deltas since the newest
-    anchor would exceed its own; ``"cost:K"``, ``"every:N"``, ``"never"``, or an
-    :class:`~deltastore.publish.policy.AnchorPolicy`; :attr:`PublishReport.anchor_reason`
-    says why).
+    without :meth:`attach`; ``"none"``, with ``optimizer=`` the ``torch.optim.AdamW`` that steps
+    the published parameters: no copy of them, their previous words rebuilt from the optimizer
+    state and checked against block digests, float32 parameters published as bfloat16, other
+    tensors held as snapshots of their own; construct it before the first ``step()`` to publish,
+    publish after every step; see :mod:`deltastore.publish.snapfree_writer` and
+    :attr:`PublishReport.snapshot_free`), ``max_frame_bytes`` (dense bytes per frame, default 16
+    MiB; 2 MiB with ``snapshot="none"``), ``max_object_bytes`` (bytes per data object, default
+    64 MiB), ``zstd_level`` (default None: level 1 for the 0.1.0 codecs, tuned fast parameters
+    for the 0.2.0 ones), ``max_workers`` (threads that detect and encode frames, default 2),
+    ``codecs`` (``"v2"``, default: each frame in the smallest of all codecs, anchors in
+    ``raw-planes``, readable from deltastore 0.2.0; ``"v1"``: only the codecs deltastore 0.1.0
+    reads, for older receivers), ``signing_key`` (a :class:`~deltastore.SigningKey` that signs
+    every manifest, and that :meth:`attach` requires on the head manifest; default:
+    ``DELTASTORE_SIGNING_KEY`` if set; None: unsigned), ``unsafe_commits`` (publish to a store
+    whose service ignores create-if-absent preconditions, which is refused otherwise: only one
+    publisher may then write to the store; each commit is read back and :class:`ForkError`
+    raised when the manifest is not this publisher's; a no-op on stores that enforce them),
+    ``anchor_policy`` (when a delta also gets an anchor copy ``anchors/<v>.json`` for fresh
+    replicas, written after its commit: ``"cost"``, the default: when the stored bytes of the
+    deltas since the newest anchor would exceed its own; ``"cost:K"``, ``"every:N"``,
+    ``"never"``, or an :class:`~deltastore.publish.policy.AnchorPolicy`;
+    :attr:`PublishReport.anchor_reason` says why).
     """
 
     def _copy_reason(self) -> str | None:

@@ -143,6 +143,11 @@ def check_blocks(
     return bad
 
 
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """The parts end to end (the part itself when there is one: no copy)."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 def encode_frame(job: ReconJob, enc: FrameEncoder) -> ReconFrame:
     """Encode one frame of a snapshot-free tensor (module docstring). Thread-safe per job
     (``enc`` is the calling thread's own)."""
@@ -197,12 +202,16 @@ def encode_frame(job: ReconJob, enc: FrameEncoder) -> ReconFrame:
         out.raw_at.extend((local + int(j) * BLOCK) for j in np.flatnonzero(bad))
         p = np.flatnonzero(send)
         flags = absolute[p]
-        words = new[p]
-        if old is not None:
-            xor_at = ~flags
-            words[xor_at] ^= old[p[xor_at]]
+        if old is not None:  # XOR masks where certain, the new words where absolute
+            values = np.bitwise_xor(old, new)
+            np.copyto(values, new, where=absolute)
+            words = values[p]
+            del values
+        else:
+            words = new[p]
         if p.size:
-            pos_parts.append(p + local)
+            p += local
+            pos_parts.append(p)
             word_parts.append(words)
             flag_parts.append(flags)
         if whole and bool(flags.any()):
@@ -214,18 +223,17 @@ def encode_frame(job: ReconJob, enc: FrameEncoder) -> ReconFrame:
             old_parts.append(old)
     out.adler = adler
     if mode == "new":
-        frame = np.concatenate(new_parts)
-        out.codec, out.data = enc.new_words(frame)
+        out.codec, out.data = enc.new_words(_joined(new_parts))
         out.changed = n
     elif pos_parts:
-        pos = np.concatenate(pos_parts)
-        words = np.concatenate(word_parts)
+        pos, words = _joined(pos_parts), _joined(word_parts)
+        del pos_parts[:], word_parts[:]
         if whole:
             out.codec, out.data = enc.encode_delta(
-                np.concatenate(old_parts), np.concatenate(new_parts), pos, masks=words
+                _joined(old_parts), _joined(new_parts), pos, masks=words
             )
         else:
-            out.codec, out.data = XOR_PATCH, enc.xor_patch(pos, words, np.concatenate(flag_parts))
+            out.codec, out.data = XOR_PATCH, enc.xor_patch(pos, words, _joined(flag_parts))
         out.changed = int(pos.size)
     if out.data is not None:
         out.xxh3 = xxhash.xxh3_64_hexdigest(out.data)
@@ -233,7 +241,7 @@ def encode_frame(job: ReconJob, enc: FrameEncoder) -> ReconFrame:
         if mode == "new" and out.data is not None:
             out.full = FullFrame(out.codec, out.data, out.xxh3)
         else:
-            codec, data = enc.new_words(np.concatenate(new_parts))
+            codec, data = enc.new_words(_joined(new_parts))
             out.full = FullFrame(codec, data, xxhash.xxh3_64_hexdigest(data))
     out.encode_s = time.perf_counter() - t0
     return out
