@@ -35,12 +35,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from deltastore.bench.analysis import _check
 from deltastore.bench.ops import RssMeter, digest, memory_bytes, rss_bytes
 from deltastore.bench.schema import BarCheck
+from deltastore.bench.trainer_ops import (
+    kernel_time,
+    load_code,
+    publish_passes,
+    read_floor,
+    version_digest,
+)
 from deltastore.bench.trainer_schema import (
     PUBLISHERS,
     PublisherName,
@@ -65,6 +71,11 @@ RATIO_MAX = 0.6
 RSS_SHARE_MAX = 0.02
 RSS_FLOOR_BYTES = 64 << 20
 PAYLOAD_RATIO_MAX = 1.02
+
+#: The allocator setting of the ``none-live`` run: every buffer of 1 MiB or more is a mapping
+#: of its own, returned when freed (glibc otherwise raises this threshold to 32 MiB as large
+#: buffers are freed, and each thread's arena keeps what the thread freed).
+LIVE_ENV = (("MALLOC_MMAP_THRESHOLD_", "1048576"),)
 
 RSS_METHOD = (
     "per publisher a process of its own; baseline: the trainer's VmRSS after its warm-up "
@@ -95,6 +106,9 @@ class TrainerOptions:
     publishers: Sequence[str] = PUBLISHERS
     workdir: str | os.PathLike[str] | None = None
     verify: bool = True
+    #: Also run the snapshot-free trainer with :data:`LIVE_ENV` (``runs["none-live"]``): the
+    #: publisher's live peak, without what the allocator keeps of freed buffers.
+    live_rss: bool = True
     #: Run each publisher's trainer in this process (tests: no process start-up; the RSS
     #: numbers then include whatever this process holds).
     in_process: bool = False
@@ -145,6 +159,9 @@ class ChildTask:
     seed: int
     optimizer: str
     threads: int
+    passes: bool = True
+    #: Environment variables of the child (e.g. the allocator's), set before it starts.
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def build_params(size: str, seed: int) -> dict[str, torch.nn.Parameter]:
@@ -183,25 +200,6 @@ def fill_grads(params: dict[str, torch.nn.Parameter], seed: int, step: int) -> N
         p.grad.normal_(generator=gen)
 
 
-def _words(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to(torch.bfloat16).reshape(-1).view(torch.int16).numpy()
-
-
-def version_digest(params: dict[str, torch.nn.Parameter]) -> str:
-    """XXH3-64 of the bf16 words of every parameter, in table order."""
-    return digest(_words(p) for p in params.values())
-
-
-def read_floor(opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter]) -> float:
-    """Seconds of one read of every fp32 weight and both moments (a sum over each)."""
-    t0 = time.perf_counter()
-    for p in params.values():
-        state = opt.state[p]
-        for t in (p, state["exp_avg"], state["exp_avg_sq"]):
-            t.detach().sum()
-    return time.perf_counter() - t0
-
-
 class _Memory:
     """The memory snapshot publisher, fed bf16 casts in staging tensors it owns."""
 
@@ -238,34 +236,6 @@ class _None:
         return self.pub.publish(dict(self.params), version=version), None
 
 
-def _load_code(publisher: str) -> None:
-    """Import the publisher's code and load the compiled kernel (numba's cache) before the
-    RSS baseline: code is not a per-model cost; :attr:`PublisherRun.code_rss_bytes` reports
-    it on its own."""
-    import deltastore.publish.publisher  # noqa: F401
-
-    if publisher == "none":
-        from deltastore.publish.invert_kernel import invert_and_diff, invert_chunk
-        from deltastore.publish.reconstruct import StepScalars, step_coefficients
-
-        coef = step_coefficients(StepScalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 1))
-        one = np.ones(1, dtype=np.float32)
-        invert_chunk(one, one, one, coef)  # type: ignore[arg-type]
-        invert_and_diff(one, one, one, coef)  # type: ignore[arg-type]
-
-
-def _kernel_time(inverter: Any, params: dict[str, torch.nn.Parameter]) -> float | None:
-    """Seconds of the inverse alone over every parameter (None if a parameter is gated)."""
-    t0 = time.perf_counter()
-    for p in params.values():
-        plan = inverter.plan(p)
-        if not hasattr(plan, "chunks"):
-            return None
-        for _ in plan.chunks():
-            pass
-    return time.perf_counter() - t0
-
-
 def _sample(
     version: int, step: tuple[float, int], publish: tuple[float, int], rep: Any, **kw: Any
 ) -> TrainerSample:
@@ -290,6 +260,7 @@ def _sample(
 
 def run_child(task: ChildTask) -> PublisherRun:
     """One publisher's run (see the module docstring); in a process of its own."""
+    allocator = " ".join(f"{k}={v}" for k, v in task.env) or "glibc default"
     torch.set_num_threads(task.threads)
     params = build_params(task.size, task.seed)
     opt = make_optimizer(list(params.values()), task)
@@ -298,11 +269,12 @@ def run_child(task: ChildTask) -> PublisherRun:
         from deltastore.publish.reconstruct import AdamWInverter
 
         inverter = AdamWInverter(opt)  # the kernel timing's own hook, before any step
+        opt._deltastore_bench_inverter = inverter  # type: ignore[attr-defined]
     for step in range(task.warmup):
         fill_grads(params, task.seed, step)
         opt.step()
     before = rss_bytes()
-    _load_code(task.publisher)
+    load_code(task.publisher)
     baseline = rss_bytes()
     sender: _Memory | _None
     try:
@@ -313,7 +285,8 @@ def run_child(task: ChildTask) -> PublisherRun:
         method = "Publisher(snapshot='none', optimizer=opt)"
         return PublisherRun(
             publisher=task.publisher, method=method, available=False, error=str(exc),
-            baseline_rss_bytes=baseline, code_rss_bytes=baseline - before, setup_s=0.0,
+            allocator=allocator, baseline_rss_bytes=baseline, code_rss_bytes=baseline - before,
+            setup_s=0.0,
             samples=[], median=None, exact=None,
         )  # fmt: skip
     t0 = time.perf_counter()
@@ -332,7 +305,8 @@ def run_child(task: ChildTask) -> PublisherRun:
             t0 = time.perf_counter()
             rep, cast = sender.publish(version)
             publish_s = time.perf_counter() - t0
-        kernel = _kernel_time(inverter, params) if inverter is not None else None
+        kernel = kernel_time(inverter, params) if inverter is not None else None
+        passes = publish_passes(opt, params) if inverter is not None and task.passes else {}
         if inverter is not None:
             inverter.mark()
         samples.append(
@@ -344,6 +318,7 @@ def run_child(task: ChildTask) -> PublisherRun:
                 cast_s=cast,
                 floor_s=read_floor(opt, params),
                 kernel_s=kernel,
+                passes_s=passes,
                 digest=version_digest(params),
             )
         )
@@ -352,6 +327,7 @@ def run_child(task: ChildTask) -> PublisherRun:
         method=sender.method,
         available=True,
         error=None,
+        allocator=allocator,
         baseline_rss_bytes=baseline,
         code_rss_bytes=baseline - before,
         setup_s=setup,
@@ -392,7 +368,16 @@ def spawn_child(task: ChildTask) -> PublisherRun:
     ctx = multiprocessing.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_entry, args=(task, send), name=f"bench-trainer-{task.publisher}")
-    proc.start()
+    saved = {k: os.environ.get(k) for k, _ in task.env}
+    os.environ.update(dict(task.env))  # the child's C library reads them as it starts
+    try:
+        proc.start()
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
     send.close()
     try:
         status, payload = recv.recv()
@@ -486,12 +471,17 @@ def run_trainer(options: TrainerOptions) -> TrainerResult:
     log(f"trainer bench: {size} ({numel / 1e6:.0f}M elements): {why}")
     root = tempfile.mkdtemp(prefix="deltastore-trainer-", dir=options.workdir)
     runs: dict[str, PublisherRun] = {}
+    plan: list[tuple[str, PublisherName, tuple[tuple[str, str], ...]]] = [
+        (p, p, ()) for p in PUBLISHERS if p in options.publishers
+    ]
+    if options.live_rss and "none" in options.publishers and not options.in_process:
+        plan.append(("none-live", "none", LIVE_ENV))
     try:
-        for name in [p for p in PUBLISHERS if p in options.publishers]:
+        for key, name, env in plan:
             task = ChildTask(
                 publisher=name,
                 size=size,
-                url=os.path.join(root, name),
+                url=os.path.join(root, key),
                 versions=options.versions,
                 warmup=options.warmup,
                 lr=options.lr,
@@ -499,12 +489,14 @@ def run_trainer(options: TrainerOptions) -> TrainerResult:
                 seed=options.seed,
                 optimizer=options.optimizer,
                 threads=options.threads,
+                passes=key == "none",
+                env=env,
             )
             run = run_child(task) if options.in_process else spawn_child(task)
             if run.available and options.verify:
                 exact = follow(task.url, size, [s.digest for s in run.samples])
                 run = run.model_copy(update={"exact": exact})
-            runs[name] = run
+            runs[key] = run
             _log_run(log, run)
     finally:
         shutil.rmtree(root, ignore_errors=True)

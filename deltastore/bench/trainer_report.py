@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +37,13 @@ def is_trainer_json(raw: str) -> bool:
     return isinstance(data, dict) and data.get("mode") == "trainer"
 
 
-def _row(run: PublisherRun, bf16: int) -> list[str]:
+def _row(key: str, run: PublisherRun, bf16: int) -> list[str]:
     m = run.median
     if m is None:
-        return [run.publisher, run.method, f"not available: {run.error}"] + ["-"] * 9
+        return [key, run.method, f"not available: {run.error}"] + ["-"] * 10
     return [
-        run.publisher,
-        run.method,
+        key,
+        run.method + ("" if run.allocator == "glibc default" else f"; {run.allocator}"),
         f"{m.step_s:.3f}",
         f"{m.publish_s:.3f}",
         f"{m.ratio:.2f}",
@@ -84,6 +85,36 @@ def _samples(run: PublisherRun) -> list[str]:
     return _table(head, rows)
 
 
+def _passes(result: TrainerResult, hh: str) -> list[str]:
+    """The snapshot-free publish's passes over the model, medians over the versions."""
+    run = result.runs.get("none")
+    if run is None or not run.samples or not run.samples[0].passes_s:
+        return []
+    names = list(run.samples[0].passes_s)
+    m = run.median
+    rows = []
+    for name in names:
+        t = statistics.median(s.passes_s.get(name, 0.0) for s in run.samples)
+        rows.append([name, f"{t:.3f}", f"{1e9 * t / result.elements:.2f}"])
+    lines = [
+        f"{hh} Where the snapshot-free publish goes",
+        "",
+        "Each pass that publish makes over the model, timed on its own on one thread after the "
+        "publish (medians over the versions); the publisher runs its frames on two threads.",
+        "",
+        *_table(["pass (one thread)", "s", "ns per element"], rows),
+        "",
+    ]
+    bar = next((b.threshold for b in result.bars if "optimizer.step()" in b.name), None)
+    if m is not None and bar is not None:
+        lines += [
+            f"Beside them: the whole publish {m.publish_s:.3f} s on two threads, the step "
+            f"{m.step_s:.3f} s, the bar {bar * m.step_s:.3f} s ({bar:g}x the step).",
+            "",
+        ]
+    return lines
+
+
 def trainer_markdown(result: TrainerResult, level: int = 2) -> str:
     """The report: the run, per publisher the medians and every version, the bar."""
     h, hh = "#" * level, "#" * (level + 1)
@@ -112,7 +143,8 @@ def trainer_markdown(result: TrainerResult, level: int = 2) -> str:
     ]
     head = ["publisher", "method", "step s", "publish s", "publish / step", "read floor s"]
     head += ["kernel s", "payload", "extra peak RSS (of bf16)", "step RSS+", "code RSS", "exact"]
-    out += _table(head, [_row(r, result.bf16_bytes) for r in result.runs.values()])
+    rows = [_row(k, r, result.bf16_bytes) for k, r in result.runs.items()]
+    out += _table(head, rows)
     out += [
         "",
         "Read floor: one read of every fp32 weight and both moments (a sum over each), timed "
@@ -124,9 +156,10 @@ def trainer_markdown(result: TrainerResult, level: int = 2) -> str:
     ]
     if result.payload_ratio is not None:
         out += [f"Payload snapshot-free / memory snapshot: {result.payload_ratio:.4f}.", ""]
-    for run in result.runs.values():
+    out += _passes(result, hh)
+    for key, run in result.runs.items():
         if run.samples:
-            out += [f"{hh} Every version: {run.publisher}", "", *_samples(run), ""]
+            out += [f"{hh} Every version: {key}", "", *_samples(run), ""]
     rows = [
         [
             b.name,
@@ -144,13 +177,13 @@ def trainer_markdown(result: TrainerResult, level: int = 2) -> str:
 def trainer_summary(result: TrainerResult) -> list[str]:
     """Summary lines for the performance page."""
     out = []
-    for run in result.runs.values():
+    for key, run in result.runs.items():
         m = run.median
         if m is None:
-            out.append(f"- **{run.publisher}**: not available ({run.error}).")
+            out.append(f"- **{key}**: not available ({run.error}).")
             continue
         out.append(
-            f"- **{run.publisher}**: publish {m.publish_s:.3f} s per version, "
+            f"- **{key}**: publish {m.publish_s:.3f} s per version, "
             f"{m.ratio:.2f}x one `optimizer.step()` ({m.step_s:.3f} s); extra peak RSS "
             f"{_mib(m.rss_extra_max_bytes)} ({100 * m.rss_extra_max_bytes / result.bf16_bytes:.1f}"
             f"% of the bf16 model); payload {_mb(m.payload_bytes)}."

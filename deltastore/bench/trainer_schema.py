@@ -56,6 +56,9 @@ class TrainerSample(_Model):
     floor_s: float
     kernel_s: float | None
     digest: str
+    #: The snapshot-free run: seconds of each pass such a publish makes over the model, each
+    #: timed on its own on one thread (``deltastore.bench.trainer.publish_passes``).
+    passes_s: dict[str, float] = {}
     uncertain: int | None = None
     blocks_verified: int | None = None
     blocks_raw: int | None = None
@@ -90,6 +93,9 @@ class PublisherRun(_Model):
     method: str
     available: bool
     error: str | None
+    #: The C allocator's setting in the run's process (``glibc default``, or the environment
+    #: variables set, e.g. ``MALLOC_MMAP_THRESHOLD_=1048576`` for the ``none-live`` run).
+    allocator: str = "glibc default"
     baseline_rss_bytes: int
     code_rss_bytes: int
     setup_s: float
@@ -104,9 +110,13 @@ class TrainerResult(_Model):
     ``size``: the bench model size trained, ``size_reason`` why it and not a larger one (the
     trainer's fp32 state must fit beside the run); ``optimizer``: the AdamW implementation
     (``foreach``, ``fused``, ``single-tensor``) and ``threads`` torch's intra-op threads.
-    ``payload_ratio``: median over versions of the snapshot-free payload / the memory
-    publisher's on the same version; ``same_versions``: every publisher's run made the same
-    versions (equal digests). ``rss_method``: how the extra memory was measured."""
+    ``runs``: by key, ``none`` and ``memory`` (glibc's default allocator, as a trainer runs),
+    and ``none-live``: the snapshot-free run again with every buffer of 1 MiB or more mapped
+    on its own and returned when freed (the publisher's live peak, without the free memory
+    glibc's per-thread arenas keep). ``payload_ratio``: median over versions of the
+    snapshot-free payload / the memory publisher's on the same version; ``same_versions``:
+    every publisher's run made the same versions (equal digests). ``rss_method``: how the
+    extra memory was measured."""
 
     mode: Literal["trainer"] = "trainer"
     schema_version: Literal[1] = 1
