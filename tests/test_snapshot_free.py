@@ -409,3 +409,48 @@ def test_warnings_are_logged_for_raw_blocks(tmp_path: Path, caplog: Any) -> None
     raw = [r for r in caplog.records if "did not match its digest" in r.getMessage()]
     assert len(raw) == 8
     assert any("blocks in all" in r.getMessage() for r in caplog.records)
+
+
+def test_block_resolution_tries_the_words_within_the_bound() -> None:
+    from deltastore.publish.digests import candidate_lists, digest, resolve_block
+
+    rng = np.random.default_rng(3)
+    truth = rng.integers(0x3C00, 0x3D00, BLOCK, dtype=np.uint16).astype("<u2")
+    expected = digest(truth)
+    guess = truth.copy()
+    unc = np.array([5, 900, 4000])
+    guess[unc] = truth[unc] + np.array([3, 0, -2], dtype=np.int64).astype("<u2")
+    guess[10] = 0  # a zero-initialised element whose bound touches zero
+    unc = np.array([5, 10, 900, 4000])
+    lo = guess[unc] - np.uint16(6)
+    hi = guess[unc] + np.uint16(6)
+    zero = np.array([False, True, False, False])
+    truth[10] = 0
+    expected = digest(truth)
+    cands = candidate_lists(guess[unc], lo, hi, zero)
+    assert cands[1][0] == 0 and all(len(c) == 13 for c in (cands[0], cands[2], cands[3]))
+    before = guess.copy()
+    assert resolve_block(guess, unc, cands, expected)
+    assert np.array_equal(guess, before)  # restored
+    guess[77] ^= 1  # a wrong word that is not uncertain: no choice matches
+    assert not resolve_block(guess, unc, cands, expected)
+    negative = candidate_lists(
+        np.array([0x8005], "<u2"), np.array([0x8009], "<u2"), np.array([0x0002], "<u2"), zero[:1]
+    )
+    # value order across zero: -0 (0x8000) sits between -tiny and +0
+    assert negative[0][0] == 0x8005 and set(negative[0][1:3]) == {0x8004, 0x8006}
+    assert 0x8000 in negative[0] and 0x0000 in negative[0] and 0x0002 in negative[0]
+
+
+def test_shard_writer_attach_is_refused_and_row_slices_of_plain_tensors(tmp_path: Path) -> None:
+    from deltastore import ChainError, ShardWriter
+    from deltastore.publish.sharded import RowSlice
+
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters())
+    t = net.up.weight
+    s = RowSlice.of(t)
+    assert s is not None and s.tensor is t and tuple(s.global_shape) == tuple(t.shape)
+    w = ShardWriter(__import__("tempfile").mkdtemp(), 0, 1, snapshot="none", optimizer=opt)
+    with pytest.raises(ChainError, match="anchor"):
+        w.attach({"up.weight": s})
