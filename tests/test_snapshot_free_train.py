@@ -96,6 +96,11 @@ class Outcome:
     publish_s: float = 0.0
     sync_s: float = 0.0
     compare: bool = False
+    fresh: Any = None  # the SyncReport of a new subscriber's sync to the last version
+
+    @property
+    def copies(self) -> int:
+        return sum(r.anchor_copy_bytes is not None for r in self.reports)
 
     def summary(self, run: Run, numel: int) -> str:
         per = 1e3 / max(self.versions, 1)
@@ -106,6 +111,8 @@ class Outcome:
             f"blocks raw {self.raw}/{self.verified}, payload {self.payload / self.dense:.4f} of "
             f"dense"
             + (f", {self.payload / self.memory_payload:.4f}x snapshot's" if self.compare else "")
+            + f"; {self.copies} anchor copies, a new subscriber read {self.fresh.path} "
+            f"({len(self.fresh.applied)} versions)"
             + f"; per version: train {self.train_s * per:.0f} ms, publish "
             f"{self.publish_s * per:.0f} ms, sync+compare {self.sync_s * per:.0f} ms"
         )
@@ -202,6 +209,11 @@ def train(run: Run, tmp_path: Path) -> tuple[Outcome, int]:
         _publish(pub, ref, params, version, out)
         _follow(sub, params, version, out)
     assert sub.tensors is mine  # followed in place, never reallocated
+    # a new subscriber starts from the newest anchor (or anchor copy) and replays the rest
+    fresh = Subscriber(LocalStore(tmp_path / "none"), lease_ttl=None)
+    out.fresh = fresh.sync()
+    assert out.fresh.version == version and fresh.tensors is not None
+    assert_exact(dict(fresh.tensors), params, version)
     return out, numel
 
 
@@ -292,6 +304,8 @@ def _adamw_run(run: Run, tmp_path: Path) -> None:
         assert stats.anchor_reason is None, stats.anchor_reason
         # every parameter rebuilt from the optimizer (or verified unchanged: the skipped step)
         assert stats.reconstructed == out.tensors, (report.version, stats.reconstructed)
+        if stats.uncertain:  # uncertain elements go out as absolute words
+            assert "xor-patch" in report.codecs, report.codecs
         per_version.append(stats.uncertain / numel)
     if MODE == "none":
         # uncertain elements are noise: under 1e-3 of the elements over the run, under 1% at
