@@ -553,7 +553,7 @@ class Publisher(ChainWriter):
         """
         manifest = self._head_manifest(version)
         if self._snapfree is not None:
-            from deltastore.publish.snapfree_writer import attach
+            from deltastore.publish.snapfree_prepare import attach
 
             return attach(self, self._snapfree, tensors, manifest)  # type: ignore[arg-type]
         check_table(tensors, manifest, exact=True)
@@ -694,7 +694,7 @@ class Publisher(ChainWriter):
         enforced: bool,
     ) -> PublishReport:
         """:meth:`publish` with ``snapshot="none"`` (:mod:`deltastore.publish.snapfree_writer`)."""
-        from deltastore.publish.snapfree_writer import prepare
+        from deltastore.publish.snapfree_prepare import prepare
 
         sf = self._snapfree
         assert sf is not None

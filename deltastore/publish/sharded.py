@@ -60,7 +60,7 @@ from deltastore.store import Store
 from deltastore.tensors.dtypes import np_words
 
 if TYPE_CHECKING:
-    from deltastore.publish.snapfree_writer import Prepared
+    from deltastore.publish.snapfree_prepare import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ class ShardWriter(ChainWriter):
     ) -> PublishReport:
         """:meth:`publish` with ``snapshot="none"``: this writer's slices reconstructed from
         its own optimizer shard (never an automatic anchor: all writers must agree)."""
-        from deltastore.publish.snapfree_writer import prepare
+        from deltastore.publish.snapfree_prepare import prepare
 
         sf = self._snapfree
         assert sf is not None
