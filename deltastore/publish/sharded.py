@@ -25,8 +25,9 @@ import logging
 import operator
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -39,7 +40,7 @@ from deltastore.errors import (
     TensorMismatchError,
     VersionExistsError,
 )
-from deltastore.format.checksum import adler32
+from deltastore.format.checksum import adler32, combine_frames
 from deltastore.format.keys import manifest_key
 from deltastore.format.manifest import Frame, Manifest, TensorEntry, parse_manifest
 from deltastore.progress import ProgressFn
@@ -55,7 +56,7 @@ from deltastore.publish.parts import (
     wait_committed,
 )
 from deltastore.publish.publisher import ChainWriter, Pending, PublishReport, table_entry
-from deltastore.publish.snapshot import row_range
+from deltastore.publish.snapshot import TensorSums, row_range
 from deltastore.store import Store
 from deltastore.tensors.dtypes import np_words
 
@@ -345,16 +346,14 @@ class ShardWriter(ChainWriter):
         :class:`TensorMismatchError` (a slice differs, or the frames do not align with it:
         after a change of sharding or ``max_frame_bytes``, publish an anchor from every writer).
         """
-        if self._snapfree is not None:
-            raise ChainError(
-                "a shard writer with snapshot='none' cannot attach yet (it would read every "
-                "slice's words back through the chain): publish an anchor from every writer"
-            )
         manifest = self._head_manifest(version)
         specs: dict[str, tuple[str, list[int]]] = {}
         rows: dict[str, Rows] = {}
         for name, s in slices.items():
             specs[name], rows[name] = _slice_spec(name, s)
+        if self._snapfree is not None:
+            return self._attach_snapshot_free(slices, rows, manifest)
+        for name in slices:
             entry = manifest.tensors.get(name)
             if entry is None or (entry.dtype, entry.shape) != specs[name]:
                 raise TensorMismatchError(
@@ -364,10 +363,68 @@ class ShardWriter(ChainWriter):
         host = {n: np_words(s.tensor.detach().cpu().contiguous()) for n, s in slices.items()}
         sums = {n: self._checksums(w) for n, w in host.items()}
         ranges = {n: row_range(specs[n][1], rows[n]) for n in host}
-        _check_slices(self.store, manifest, host, ranges, {n: s.whole for n, s in sums.items()})
+        readers = {n: partial(_words_adler, w) for n, w in host.items()}
+        _check_slices(self.store, manifest, readers, ranges, {n: s.whole for n, s in sums.items()})
         self._inflight = None
         self._held.replace(manifest.version, manifest.state_digest, host, specs, sums, rows)
         return manifest.version
+
+    def _attach_snapshot_free(
+        self, slices: Mapping[str, RowSlice], rows: dict[str, Rows], manifest: Manifest
+    ) -> int:
+        """:meth:`attach` with ``snapshot="none"``: the slices checked against the chain's
+        frames chunk by chunk (the bf16 cast of a reconstructed slice is never held whole),
+        then block digests for those and words for the snapshot slices."""
+        from deltastore.publish.snapfree_prepare import chunk_sums, range_adler
+        from deltastore.publish.snapfree_writer import EMPTY
+
+        sf = self._snapfree
+        assert sf is not None
+        items = sf.items(
+            {n: s.tensor for n, s in slices.items()},
+            table_entry,
+            owners={n: s.param for n, s in slices.items()},
+            shapes={n: s.global_shape for n, s in slices.items()},
+        )
+        sums: dict[str, TensorSums] = {}
+        held: dict[str, np.ndarray] = {}
+        digests: dict[str, np.ndarray] = {}
+        readers: dict[str, Callable[[int, int], int]] = {}
+        for name, it in items.items():
+            entry = manifest.tensors.get(name)
+            if entry is None or (entry.dtype, entry.shape) != it.spec:
+                raise TensorMismatchError(
+                    f"{name}: {it.spec[0]}{it.spec[1]} is not a tensor of version "
+                    f"{manifest.version}"
+                )
+            if it.param is not None and it.reason is None:
+                grid = self._frames_of(it.flat.numel(), 2)
+                frames, digests[name] = chunk_sums(it.flat, grid, sf.chunk)
+                sums[name] = TensorSums(
+                    frames,
+                    combine_frames(
+                        (f, (b - a) * 2) for f, (a, b) in zip(frames, grid, strict=True)
+                    ),
+                )
+                held[name] = EMPTY
+                readers[name] = partial(range_adler, it.flat, sf.chunk)
+            else:
+                held[name] = it.words()
+                sums[name] = self._checksums(held[name])
+                readers[name] = partial(_words_adler, held[name])
+        ranges = {n: row_range(items[n].spec[1], rows[n]) for n in items}
+        _check_slices(self.store, manifest, readers, ranges, {n: s.whole for n, s in sums.items()})
+        self._inflight = None
+        specs = {n: it.spec for n, it in items.items()}
+        self._held.replace(manifest.version, manifest.state_digest, held, specs, sums, rows)
+        sf.digests = digests
+        sf.inverter.mark()
+        return manifest.version
+
+
+def _words_adler(words: np.ndarray, start: int, stop: int) -> int:
+    """Adler-32 of ``words[start:stop]``."""
+    return adler32(words[start:stop])
 
 
 def _part_tensor(e: TensorEntry, rows: Rows) -> PartTensor:
@@ -389,12 +446,13 @@ def _part_tensor(e: TensorEntry, rows: Rows) -> PartTensor:
 def _check_slices(
     store: Store,
     manifest: Manifest,
-    host: Mapping[str, np.ndarray],
+    host: Mapping[str, Callable[[int, int], int]],
     ranges: Mapping[str, Rows],
     totals: Mapping[str, int],
 ) -> None:
-    """:class:`TensorMismatchError` unless every slice (words ``host[n]``, elements
-    ``ranges[n]``, Adler-32 ``totals[n]``) is at ``manifest``'s version."""
+    """:class:`TensorMismatchError` unless every slice (``host[n](a, b)``: the Adler-32 of
+    its words ``[a, b)``, slice-local; elements ``ranges[n]``; Adler-32 ``totals[n]``) is at
+    ``manifest``'s version."""
     bad: list[str] = []
     todo: dict[str, list[Rows]] = {}  # element ranges not checked yet
     for name, (a, b) in ranges.items():
@@ -434,9 +492,10 @@ def _check_slices(
 
 
 def _match_frames(
-    frames: Sequence[Frame], gaps: list[Rows], words: np.ndarray, offset: int
+    frames: Sequence[Frame], gaps: list[Rows], words: Callable[[int, int], int], offset: int
 ) -> list[Rows] | None:
-    """Check ``words`` (elements from ``offset`` on) against the ``frames`` that fall in
+    """Check ``words`` (the Adler-32 of a range of the slice's words, whose element 0 is
+    ``offset``) against the ``frames`` that fall in
     ``gaps`` (sorted element ranges not checked yet); return the ranges still unchecked, or
     None on a mismatch or a frame that straddles a gap's edge."""
     left: list[Rows] = []
@@ -449,7 +508,7 @@ def _match_frames(
             f = frames[i]
             if f.start < lo or f.stop > hi:
                 return None
-            if adler32(words[f.start - offset : f.stop - offset]) != f.adler32:
+            if words(f.start - offset, f.stop - offset) != f.adler32:
                 return None
             if f.start > pos:
                 left.append((pos, f.start))

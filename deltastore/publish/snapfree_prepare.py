@@ -241,4 +241,15 @@ def chunk_sums(
     return sums, np.concatenate(digests) if digests else np.empty(0, np.uint64)
 
 
-__all__ = ["Prepared", "attach", "chunk_sums", "prepare"]
+def range_adler(flat: torch.Tensor, chunk: int, start: int, stop: int) -> int:
+    """Adler-32 of the bf16 cast of ``flat[start:stop]``, chunk by chunk."""
+    from deltastore.format.checksum import adler32
+    from deltastore.publish.snapfree import new_words
+
+    value = 1
+    for c in range(start, stop, chunk):
+        value = adler32(new_words(flat, c, min(c + chunk, stop)), value)
+    return value
+
+
+__all__ = ["Prepared", "attach", "chunk_sums", "prepare", "range_adler"]
