@@ -449,3 +449,43 @@ def test_row_slices_of_plain_tensors_are_whole() -> None:
     s = RowSlice.of(t)
     assert s is not None and s.tensor is t and tuple(s.global_shape) == tuple(t.shape)
     assert s.row_start == 0 and s.param is None
+
+
+def test_publish_memory_is_a_few_frames_not_a_copy_of_the_model(tmp_path: Path) -> None:
+    """Traced (numpy) memory of a delta publish where nearly every element changes: a few
+    frames' worth of entries, far below the bf16 bytes of the model (a copy would be all)."""
+    import tracemalloc
+
+    torch.manual_seed(0)
+    lin = nn.Linear(2048, 4096)
+    opt = torch.optim.AdamW(lin.parameters(), lr=1e-3, weight_decay=0.1)
+    pub = Publisher(
+        tmp_path,
+        snapshot="none",
+        optimizer=opt,
+        max_frame_bytes=64 << 10,
+        max_object_bytes=1 << 20,  # data objects stream out: the payload is not held either
+        anchor_policy="never",
+    )
+    tensors = dict(lin.named_parameters())
+
+    def step() -> None:
+        lin(torch.randn(16, 2048)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    pub.publish(tensors, version=1)
+    step()
+    pub.publish(tensors, version=2)  # the kernel is loaded
+    step()
+    model_bf16 = 2 * sum(t.numel() for t in tensors.values())
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        report = pub.publish(tensors, version=3)
+        extra = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert report.changed_elements > 0.9 * report.total_elements
+    assert report.snapshot_free is not None and report.snapshot_free.blocks_raw == 0
+    assert extra < model_bf16 / 2, (extra, model_bf16)

@@ -53,11 +53,13 @@ def digest(words: np.ndarray) -> int:
 def digest_blocks(words: np.ndarray) -> np.ndarray:
     """``uint64`` digests of the consecutive :data:`BLOCK`-element blocks of ``words`` (the
     last one may be shorter)."""
-    n = words.size
+    data = np.ascontiguousarray(words).view(np.uint8).data
+    step = BLOCK * words.dtype.itemsize
+    hash64 = xxhash.xxh3_64_intdigest
     return np.fromiter(
-        (digest(words[a : a + BLOCK]) for a in range(0, n, BLOCK)),
+        (hash64(data[a : a + step]) for a in range(0, len(data), step)),
         dtype=np.uint64,
-        count=block_count(n),
+        count=block_count(words.size),
     )
 
 

@@ -87,9 +87,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
 DEFAULT_MAX_OBJECT_BYTES = 64 << 20
-#: Default frame size of ``snapshot="none"`` (1 Mi bf16 elements: one reconstruction chunk;
-#: the encoder holds a frame's entries at once, so frames bound the publisher's memory).
-SNAPSHOT_FREE_FRAME_BYTES = 2 << 20
+#: Default frame size of ``snapshot="none"`` (512 Ki bf16 elements): a frame's entries and
+#: their encoding are held at once, about 40 bytes per element of the frame where every
+#: element changes, so frames bound the publisher's memory (20 MiB per encoder thread).
+SNAPSHOT_FREE_FRAME_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -517,7 +518,7 @@ class Publisher(ChainWriter):
     tensors held as snapshots of their own; construct it before the first ``step()`` to publish,
     publish after every step; see :mod:`deltastore.publish.snapfree_writer` and
     :attr:`PublishReport.snapshot_free`), ``max_frame_bytes`` (dense bytes per frame, default 16
-    MiB; 2 MiB with ``snapshot="none"``), ``max_object_bytes`` (bytes per data object, default
+    MiB; 1 MiB with ``snapshot="none"``), ``max_object_bytes`` (bytes per data object, default
     64 MiB), ``zstd_level`` (default None: level 1 for the 0.1.0 codecs, tuned fast parameters
     for the 0.2.0 ones), ``max_workers`` (threads that detect and encode frames, default 2),
     ``codecs`` (``"v2"``, default: each frame in the smallest of all codecs, anchors in
