@@ -461,6 +461,7 @@ def run_trainer(options: TrainerOptions) -> TrainerResult:
     from deltastore.bench.runner import machine_info
 
     t_start = time.perf_counter()
+    load_start = _load()
     log = options.log
     unknown = set(options.publishers) - set(PUBLISHERS)
     if unknown or not options.publishers:
@@ -530,10 +531,19 @@ def run_trainer(options: TrainerOptions) -> TrainerResult:
         payload_ratio=payload,
         same_versions=len(digests) <= 1,
         rss_method=RSS_METHOD,
+        load_average=[load_start, _load()],
         bars=bar_checks(runs, 2 * numel, payload),
         exact=all(r.exact is not False for r in done) and len(digests) <= 1,
         wall_s=time.perf_counter() - t_start,
     )
+
+
+def _load() -> float:
+    """The 1-minute load average (other processes compete for the cores; -1 if unknown)."""
+    try:
+        return float(os.getloadavg()[0])
+    except OSError:
+        return -1.0
 
 
 def _log_run(log: Log, run: PublisherRun) -> None:

@@ -127,7 +127,14 @@ def trainer_markdown(result: TrainerResult, level: int = 2) -> str:
         f"Size: {result.size_reason}. Machine: {m.cpu_model}, {m.cores} cores, "
         f"{m.memory_bytes / 1e9:.2f} GB RAM; torch {m.torch} on {result.threads} threads, "
         f"numpy {m.numpy}, deltastore {m.deltastore}. {result.created}, wall "
-        f"{result.wall_s:.0f} s. Each publisher ran in a process of its own with the same "
+        f"{result.wall_s:.0f} s"
+        + (
+            f" (1-minute load average {result.load_average[0]:.1f} at the start, "
+            f"{result.load_average[-1]:.1f} at the end)"
+            if result.load_average
+            else ""
+        )
+        + ". Each publisher ran in a process of its own with the same "
         f"seeded steps ({result.warmup} warm-up steps, then the anchor, then the measured "
         "versions); "
         + (

@@ -139,6 +139,9 @@ class TrainerResult(_Model):
     payload_ratio: float | None
     same_versions: bool
     rss_method: str
+    #: The machine's 1-minute load average at the start and at the end of the run (the
+    #: timings of a run on a busy machine vary from version to version).
+    load_average: list[float] = []
     bars: list[BarCheck]
     exact: bool
     wall_s: float
