@@ -162,6 +162,11 @@ class SnapshotFree:
         for name, t in tensors.items():
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: snapshot='none' publishes torch tensors, not {type(t)}")
+            if hasattr(t, "to_local"):
+                raise TypeError(
+                    f"{name} is a DTensor: publish its rows from every rank with a ShardWriter "
+                    "and RowSlice.of(param)"
+                )
             shape = list(shapes[name]) if shapes is not None else list(t.shape)
             p = owners.get(name) if owners is not None else None
             if p is None:
