@@ -30,6 +30,10 @@ BLOCK = 4096
 MAX_TRIES = 1024
 #: Most candidate words of one uncertain element.
 MAX_CANDIDATES = 64
+#: Most combinations tried in all the blocks of one chunk: a reconstruction that is wrong
+#: everywhere (a wrong lr) costs a bounded time, its blocks are sent whole. Normal runs use a
+#: few per block that misses its best guess (measured: at most 7).
+CHUNK_TRIES = 4 * MAX_TRIES
 
 
 def block_count(n: int) -> int:
@@ -111,18 +115,22 @@ def _by_distance(sizes: Sequence[int]) -> Iterator[dict[int, int]]:
 
 
 def resolve_block(
-    guess: np.ndarray, uncertain: np.ndarray, candidates: list[list[int]], expected: int
+    guess: np.ndarray,
+    uncertain: np.ndarray,
+    candidates: list[list[int]],
+    expected: int,
+    max_tries: int = MAX_TRIES,
 ) -> bool:
     """Whether some choice of ``candidates`` for the words at block-local ``uncertain``
     positions makes ``guess`` (the block's reconstructed words, changed in place while
     trying; restored to the best guess on return) hash to ``expected``. Tries at most
-    :data:`MAX_TRIES` combinations, nearest to the most likely words first (by the sum of
-    the candidates' ranks)."""
+    ``max_tries`` combinations, nearest to the most likely words first (by the sum of the
+    candidates' ranks)."""
     saved = guess[uncertain].copy()
     base = np.asarray([c[0] for c in candidates], dtype=guess.dtype)
     try:
         for tries, ranks in enumerate(_by_distance([len(c) for c in candidates])):
-            if tries >= MAX_TRIES:
+            if tries >= max_tries:
                 return False
             words = base.copy()
             for i, r in ranks.items():
@@ -137,6 +145,7 @@ def resolve_block(
 
 __all__ = [
     "BLOCK",
+    "CHUNK_TRIES",
     "MAX_CANDIDATES",
     "MAX_TRIES",
     "block_count",

@@ -27,6 +27,7 @@ copy, or a frame without uncertain elements). Pure per job; run jobs on any thre
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -38,6 +39,8 @@ from deltastore.format.checksum import adler32
 from deltastore.format.codecs import RAW, XOR_PATCH, Codec, FrameEncoder
 from deltastore.publish.digests import (
     BLOCK,
+    CHUNK_TRIES,
+    MAX_TRIES,
     block_count,
     candidate_lists,
     digest_blocks,
@@ -124,19 +127,23 @@ def check_blocks(
 ) -> np.ndarray:
     """Per block of the chunk ``old`` (reconstructed words; ``certain`` mask; element
     ``first`` of the parameter at its start), whether it does *not* match its digest in
-    ``held`` even with its uncertain words resolved (True: send the block whole)."""
+    ``held`` even with its uncertain words resolved (True: send the block whole). At most
+    :data:`CHUNK_TRIES` candidate combinations in all: past them a block that misses is sent
+    whole without trying."""
     bad = np.zeros(held.size, dtype=np.bool_)
+    budget = CHUNK_TRIES
     for j in np.flatnonzero(digest_blocks(old) != held).tolist():
         s = j * BLOCK
         blk = old[s : s + BLOCK]
-        expected = int(held[j])
         unc = np.flatnonzero(~certain[s : s + BLOCK])
-        if unc.size == 0:
+        if unc.size == 0 or budget <= 0:
             bad[j] = True
             continue
         lo, hi, zero = inversion.candidates(unc + (first + s))
         cands = candidate_lists(blk[unc], lo, hi, zero)
-        bad[j] = not resolve_block(blk, unc, cands, expected)
+        tries = min(MAX_TRIES, budget, math.prod(len(c) for c in cands))
+        bad[j] = not resolve_block(blk, unc, cands, int(held[j]), tries)
+        budget -= tries if bad[j] else 1
     return bad
 
 
