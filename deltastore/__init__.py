@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from deltastore.publish.sharded import RowSlice as RowSlice
     from deltastore.publish.sharded import ShardWriter as ShardWriter
     from deltastore.publish.sharded import commit_parts as commit_parts
-    from deltastore.publish.snapfree import SnapshotFreeStats as SnapshotFreeStats
     from deltastore.store import LocalStore as LocalStore
     from deltastore.store import Store as Store
     from deltastore.store import open_store as open_store
@@ -61,7 +60,6 @@ _EXPORTS: dict[str, str] = {
     "PublishReport": "deltastore.publish.publisher",
     "RowSlice": "deltastore.publish.sharded",
     "ShardWriter": "deltastore.publish.sharded",
-    "SnapshotFreeStats": "deltastore.publish.snapfree",
     "commit_parts": "deltastore.publish.sharded",
     "LocalStore": "deltastore.store",
     "Store": "deltastore.store",
