@@ -151,19 +151,24 @@ def test_row_slices_of_local_parameters_in_one_process(tmp_path: Path) -> None:
                 for n, p in local.items():
                     p.grad = grads[n][bounds[n][r] : bounds[n][r + 1]].clone()
                 opt.step()
+        buffer = torch.arange(40 * 3, dtype=torch.float32).reshape(40, 3) * version
         for r, (local, _, w) in enumerate(ranks):
             slices = {n: RowSlice(p, SHAPES[n], bounds[n][r]) for n, p in local.items()}
+            # a buffer: not a parameter, held as a snapshot of this writer's rows
+            slices["buffer"] = RowSlice(buffer[20 * r : 20 * (r + 1)], (40, 3), 20 * r)
             report = w.publish(slices, version=version)
             stats = report.snapshot_free
             assert stats is not None and stats.blocks_raw == 0
             assert report.kind == ("anchor" if version == 1 else "delta")
             assert (set(stats.absolute) == set(SHAPES)) == (version == 6)
+            assert set(stats.snapshots) == {"buffer"}
         commit_parts(tmp_path, version=version, world=WORLD, timeout_s=10)
         for _, _, w in ranks:
             w.finish(version)
         sub.sync()
         held = sub.tensors
         assert held is not None
+        assert torch.equal(held["buffer"], buffer)
         for n in SHAPES:
             truth = torch.cat([ranks[r][0][n].detach() for r in range(WORLD)])
             want = truth.to(torch.bfloat16).view(torch.int16).numpy()
@@ -174,6 +179,7 @@ def test_row_slices_of_local_parameters_in_one_process(tmp_path: Path) -> None:
         w._snapfree.close()  # type: ignore[union-attr]
         fresh = ShardWriter(tmp_path, r, WORLD, snapshot="none", optimizer=opt, max_frame_bytes=256)
         slices = {n: RowSlice(p, SHAPES[n], bounds[n][r]) for n, p in local.items()}
+        slices["buffer"] = RowSlice(buffer[20 * r : 20 * (r + 1)], (40, 3), 20 * r)
         if r == 1:
             with torch.no_grad():
                 local["up"][0, 0] += 1.0
@@ -182,16 +188,17 @@ def test_row_slices_of_local_parameters_in_one_process(tmp_path: Path) -> None:
             with torch.no_grad():
                 local["up"][0, 0] -= 1.0
         assert fresh.attach(slices) == 11
-        assert all(s.words.size == 0 for s in fresh._held.tensors.values())  # type: ignore[union-attr]
+        held_words = {n: s.words.size for n, s in fresh._held.tensors.items()}  # type: ignore[union-attr]
+        assert held_words == {**dict.fromkeys(SHAPES, 0), "buffer": 60}
         again.append((local, opt, fresh))
     grads = _grads(999)
     for r, (local, opt, w) in enumerate(again):
         for n, p in local.items():
             p.grad = grads[n][bounds[n][r] : bounds[n][r + 1]].clone()
         opt.step()
-        stats = w.publish(
-            {n: RowSlice(p, SHAPES[n], bounds[n][r]) for n, p in local.items()}, version=12
-        ).snapshot_free
+        slices = {n: RowSlice(p, SHAPES[n], bounds[n][r]) for n, p in local.items()}
+        slices["buffer"] = RowSlice(buffer[20 * r : 20 * (r + 1)], (40, 3), 20 * r)
+        stats = w.publish(slices, version=12).snapshot_free
         assert stats is not None and stats.blocks_raw == 0 and stats.reconstructed == len(SHAPES)
     commit_parts(tmp_path, version=12, world=WORLD, timeout_s=10)
     for _, _, w in again:
