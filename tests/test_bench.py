@@ -610,6 +610,9 @@ def test_trainer_mode_smoke(tmp_path: Path) -> None:
             assert s.ratio == pytest.approx(s.publish_s / s.step_s)
             assert s.payload_bytes > 0 and s.changed_elements > 0
         assert run.exact is True
+        m = run.median
+        assert m is not None and m.step_min_s == min(s.step_s for s in run.samples)
+        assert m.min_ratio == pytest.approx(m.publish_min_s / m.step_min_s)
     assert all(s.cast_s is not None and s.kernel_s is None for s in memory.samples)
     if res.runs["none"].available:
         none = res.runs["none"]
@@ -633,6 +636,9 @@ def test_trainer_mode_smoke(tmp_path: Path) -> None:
         "snapshot-free payload / memory snapshot payload",
     ]
     assert res.bars[1].threshold == 64 << 20  # 2% of the tiny model is less than 64 MiB
+    none_median = res.runs["none"].median
+    if none_median is not None:
+        assert res.bars[0].measured == none_median.min_ratio
     text = trainer_markdown(res)
     assert "| none |" in text and "| memory |" in text and "### The bar" in text
     source = tmp_path / "benchmarks" / "results" / "trainer.json"

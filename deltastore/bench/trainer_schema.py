@@ -68,11 +68,17 @@ class TrainerSample(_Model):
 
 class TrainerMedians(_Model):
     """Medians over the measured versions (each field on its own); ``rss_extra_max_bytes``
-    is the largest of any version."""
+    is the largest of any version. ``step_min_s`` and ``publish_min_s``: the fastest step and
+    the fastest publish of the run, and ``min_ratio`` = ``publish_min_s / step_min_s``: other
+    load on the machine only adds time to either, so the fastest of each is the least
+    disturbed (the bar uses this ratio)."""
 
     step_s: float
     publish_s: float
     ratio: float
+    step_min_s: float
+    publish_min_s: float
+    min_ratio: float
     payload_bytes: float
     floor_s: float
     kernel_s: float | None
