@@ -429,11 +429,14 @@ def test_block_resolution_tries_the_words_within_the_bound() -> None:
     expected = digest(truth)
     cands = candidate_lists(guess[unc], lo, hi, zero)
     assert cands[1][0] == 0 and all(len(c) == 13 for c in (cands[0], cands[2], cands[3]))
-    before = guess.copy()
+    best = guess.copy()
     assert resolve_block(guess, unc, cands, expected)
-    assert np.array_equal(guess, before)  # restored
+    assert np.array_equal(guess, truth)  # the matching words stay: the published ones
+    guess = best.copy()
     guess[77] ^= 1  # a wrong word that is not uncertain: no choice matches
+    before = guess.copy()
     assert not resolve_block(guess, unc, cands, expected)
+    assert np.array_equal(guess, before)  # restored to the best guess
     negative = candidate_lists(
         np.array([0x8005], "<u2"), np.array([0x8009], "<u2"), np.array([0x0002], "<u2"), zero[:1]
     )

@@ -11,9 +11,10 @@ A reconstructed block holds *certain* words (proven by the error bound) and a fe
 ones. Its best guess misses the digest whenever an uncertain word is wrong, so
 :func:`resolve_block` tries the likely candidates of the uncertain words (``+0`` where the
 bound touches zero, the best guess, then the words within the bound nearest to it first) up
-to :data:`MAX_TRIES` combinations; a match proves the whole block, certain words included (up to
-XXH3-64 collisions). A block that does not match is not used as a parent: it is sent whole as
-absolute words. Pure functions, thread-safe; words are ``<u2`` (or any unsigned words).
+to :data:`MAX_TRIES` combinations; a match proves the whole block, certain words included
+(up to XXH3-64 collisions), and leaves the matching words in place. A block that does not
+match is not used as a parent: it is sent whole as absolute words. Pure functions,
+thread-safe; words are ``<u2`` (or any unsigned words).
 """
 
 from __future__ import annotations
@@ -122,25 +123,24 @@ def resolve_block(
     max_tries: int = MAX_TRIES,
 ) -> bool:
     """Whether some choice of ``candidates`` for the words at block-local ``uncertain``
-    positions makes ``guess`` (the block's reconstructed words, changed in place while
-    trying; restored to the best guess on return) hash to ``expected``. Tries at most
+    positions makes ``guess`` (the block's reconstructed words, changed in place) hash to
+    ``expected``. On a match ``guess`` keeps the matching words (the block's published words,
+    proven by the digest); otherwise it is restored to the best guess. Tries at most
     ``max_tries`` combinations, nearest to the most likely words first (by the sum of the
     candidates' ranks)."""
     saved = guess[uncertain].copy()
     base = np.asarray([c[0] for c in candidates], dtype=guess.dtype)
-    try:
-        for tries, ranks in enumerate(_by_distance([len(c) for c in candidates])):
-            if tries >= max_tries:
-                return False
-            words = base.copy()
-            for i, r in ranks.items():
-                words[i] = candidates[i][r]
-            guess[uncertain] = words
-            if digest(guess) == expected:
-                return True
-        return False
-    finally:
-        guess[uncertain] = saved
+    for tries, ranks in enumerate(_by_distance([len(c) for c in candidates])):
+        if tries >= max_tries:
+            break
+        words = base.copy()
+        for i, r in ranks.items():
+            words[i] = candidates[i][r]
+        guess[uncertain] = words
+        if digest(guess) == expected:
+            return True
+    guess[uncertain] = saved
+    return False
 
 
 __all__ = [
