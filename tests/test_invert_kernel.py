@@ -161,6 +161,26 @@ def test_empty_and_length_mismatch() -> None:
         kernel.invert_chunk(np.zeros(3, np.float32), empty, empty, coef)
 
 
+def test_out_buffers_are_reused() -> None:
+    """Results written into caller buffers (longer than the chunk) equal fresh ones; wrong
+    buffers are refused with what to pass."""
+    rng = np.random.default_rng(8)
+    coef = coefficients(*HYPERS[0])
+    p, m, v = (random_bits(rng, 1000) for _ in range(3))
+    words = np.full(1500, 0xAAAA, dtype="<u2")
+    certain = np.ones(1500, dtype=np.bool_)
+    got = kernel.invert_chunk(p, m, v, coef, out=(words, certain))
+    ref_words, ref_certain = invert_chunk(p, m, v, coef)
+    assert np.shares_memory(got[0], words) and np.shares_memory(got[1], certain)
+    assert np.array_equal(got[0].view(np.uint16), ref_words.view(np.uint16))
+    assert np.array_equal(got[1], ref_certain) and got[0].size == 1000
+    assert (words[1000:] == 0xAAAA).all()
+    with pytest.raises(ValueError, match="at least 1000"):
+        kernel.invert_chunk(p, m, v, coef, out=(words[:999], certain))
+    with pytest.raises(ValueError, match="bool"):
+        kernel.invert_chunk(p, m, v, coef, out=(words, certain.view(np.uint8)))
+
+
 def test_inversion_chunk_uses_the_kernel() -> None:
     assert reconstruct._fast_invert() is kernel.invert_chunk
 

@@ -386,16 +386,24 @@ def invert_chunk(
     exp_avg_sq: np.ndarray,
     coef: Coefficients,
     threads: int | None = None,
+    out: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Previous bf16 words (``<u2``) and the certain mask (bool) of one chunk: bit-identical
     to :func:`deltastore.publish.reconstruct.invert_chunk` (same arguments). ``threads``:
     split the chunk across this many threads (parts of at least :data:`MIN_PART` elements;
     default: :func:`default_threads` when called from the main thread, 1 from any other, whose
     caller is taken to run chunks in parallel already: nested splits only wait on each
-    other). Memory: the two outputs (3 bytes per element)."""
+    other). ``out``: buffers to write into (``<u2`` and bool, 1-D, contiguous, at least the
+    chunk's length; the results are views of their first elements), e.g. one pair per thread
+    reused from chunk to chunk: a thread that allocates and frees chunk-sized buffers grows
+    its allocator arena (docs/performance.md, Measured limits and pitfalls). Memory: the two
+    outputs (3 bytes per element), none with ``out``."""
     p, m, v = _inputs(param, exp_avg, exp_avg_sq)
-    words = np.empty(p.shape[0], dtype="<u2")
-    certain = np.empty(p.shape[0], dtype=np.bool_)
+    if out is None:
+        words = np.empty(p.shape[0], dtype="<u2")
+        certain = np.empty(p.shape[0], dtype=np.bool_)
+    else:
+        words, certain = _out(out, p.shape[0])
     k = _scalars(coef)
     f = _scalars32(k)
 
@@ -404,6 +412,19 @@ def invert_chunk(
 
     _run(_parts(p.shape[0], threads), work)
     return words, certain
+
+
+def _out(out: tuple[np.ndarray, np.ndarray], size: int) -> tuple[np.ndarray, np.ndarray]:
+    words, certain = out
+    for buf, dtype in ((words, np.dtype("<u2")), (certain, np.dtype(np.bool_))):
+        if buf.dtype != dtype or buf.ndim != 1 or buf.shape[0] < size:
+            raise ValueError(
+                f"out must be a 1-D <u2 array and a 1-D bool array of at least {size} "
+                f"elements (got {buf.dtype} {buf.shape})"
+            )
+        if not buf.flags.c_contiguous or not buf.flags.writeable:
+            raise ValueError("out buffers must be contiguous and writable")
+    return words[:size], certain[:size]
 
 
 def invert_and_diff(
