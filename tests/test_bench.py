@@ -651,7 +651,7 @@ def test_trainer_mode_smoke(tmp_path: Path) -> None:
     bench_json.write_text(_minimal_bench().model_dump_json())
     assert report.main([str(bench_json), str(source), "--performance-doc", str(doc)]) == 0
     page = doc.read_text()
-    assert "## Results: trainer in the loop, tiny" in page
+    assert "## Results: trainer in the loop, tiny, AdamW foreach" in page
     assert "[trainer.json](../benchmarks/results/trainer.json)" in page
     assert "deltastore bench --mode trainer --size tiny" in page
 
