@@ -14,12 +14,11 @@ digests of what it published (:mod:`deltastore.publish.digests`). Per frame of s
    go out as absolute entries); ``"delta"`` (the previous words reconstructed by
    :meth:`Inversion.chunk`, each block checked against its digest, uncertain words resolved
    by :func:`~deltastore.publish.digests.resolve_block`);
-3. emits, in one ``xor-patch`` frame, the certain changed elements of verified blocks as XOR
-   masks, their uncertain changed elements and every element of a block that does not verify
-   as absolute new words; an uncertain element of a verified block whose resolved word equals
-   the new one is not sent (the digest proves the block's words, the resolved ones included:
-   sending it would cost bytes and prove nothing more). A frame with XOR entries only is
-   encoded as the smallest of the usual delta codecs (its old words are all proven).
+3. emits the changed elements of verified blocks as XOR masks (the digest proves every word
+   of such a block, the uncertain ones it resolved included) and every element of a block
+   that does not verify as an absolute new word, in one ``xor-patch`` frame; a frame with
+   XOR entries only is encoded as the smallest of the usual delta codecs (its old words are
+   all proven).
 
 Memory: the float64 temporaries of one chunk, the frame's entries (O(changed)), and the
 frame's words only where they are encoded whole (an anchor, an absolute frame, an anchor
@@ -67,8 +66,8 @@ class SnapshotFreeStats:
     words this version (a gate; their old words were unknown); ``blocks_verified``: blocks
     whose reconstructed (or unchanged) words matched their digest; ``blocks_raw``: blocks that
     did not, sent whole as absolute words; ``uncertain``: elements of verified blocks whose
-    bound straddles a bf16 rounding tie (their words resolved by the digest; the changed ones
-    are sent as absolute words, the unchanged ones not at all); ``anchor_reason``: why
+    bound straddles a bf16 rounding tie (their words resolved by the digest, then sent as
+    any other: an XOR mask where they changed); ``anchor_reason``: why
     the version became an anchor (None: it did not, or it is an ordinary anchor)."""
 
     reconstructed: int = 0
@@ -201,12 +200,10 @@ def encode_frame(job: ReconJob, enc: FrameEncoder) -> ReconFrame:
             old, certain = rec.words, rec.certain
             bad = check_blocks(old, certain, held, job.inversion, c)
             absolute = np.repeat(bad, BLOCK)[: e - c]
-            uncertain = ~certain & ~absolute  # of verified blocks: their words are proven too
-            out.uncertain += int(np.count_nonzero(uncertain))
+            # uncertain words of verified blocks were resolved by the digest: proven too
+            out.uncertain += int(np.count_nonzero(~certain & ~absolute))
             send = old != new
-            uncertain &= send  # changed: sent as the new word, not as a mask of a resolved one
             send |= absolute
-            absolute |= uncertain
         out.verified += int(np.count_nonzero(~bad))
         out.raw += int(np.count_nonzero(bad))
         out.raw_at.extend((local + int(j) * BLOCK) for j in np.flatnonzero(bad))
