@@ -339,11 +339,26 @@ class Inversion:
         self.coefficients = coef
         self.numel = int(local[0].numel())
 
-    def chunk(self, start: int, stop: int) -> ReconstructedChunk:
-        """Elements ``[start, stop)`` (clipped to the parameter)."""
+    def chunk(
+        self, start: int, stop: int, out: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> ReconstructedChunk:
+        """Elements ``[start, stop)`` (clipped to the parameter). ``out``: a ``<u2`` and a
+        bool buffer (1-D, contiguous, at least the chunk's length) to write the words and the
+        certain mask into, e.g. one pair per thread reused from chunk to chunk (the results
+        are then views of their first elements)."""
         start, stop = max(0, start), min(stop, self.numel)
         arrays = [t[start:stop].cpu().numpy() for t in self._flat]
-        words, certain = _fast_invert()(arrays[0], arrays[1], arrays[2], self.coefficients)
+        kernel = _fast_invert()
+        if out is None:
+            words, certain = kernel(arrays[0], arrays[1], arrays[2], self.coefficients)
+        elif kernel is invert_chunk:  # the numpy reference: no out, copied
+            w, c = invert_chunk(arrays[0], arrays[1], arrays[2], self.coefficients)
+            words, certain = out[0][: w.size], out[1][: w.size]
+            words[:], certain[:] = w, c
+        else:
+            from deltastore.publish.invert_kernel import invert_chunk as fast
+
+            words, certain = fast(arrays[0], arrays[1], arrays[2], self.coefficients, out=out)
         return ReconstructedChunk(start, words, certain)
 
     def candidates(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -351,8 +366,15 @@ class Inversion:
         ends of the bound, ``bf16(x - B)`` and ``bf16(x + B)`` (``<u2``; the true previous word
         lies between them in value, wherever the bound holds), and whether ``[x - B, x + B]``
         touches zero (then ``+0`` is a likely candidate: a zero-initialised element). Used to
-        resolve the uncertain elements of a block against a digest; O(len(positions))."""
-        arrays = [t[torch_index(positions)].cpu().numpy() for t in self._flat]
+        resolve the uncertain elements of a block against a digest. Reads the range from
+        the smallest to the largest position once (one slice per tensor, numpy indexing:
+        gather the positions of one chunk in one call); O(that range)."""
+        if positions.size == 0:
+            empty = np.empty(0, dtype="<u2")
+            return empty, empty.copy(), np.empty(0, dtype=np.bool_)
+        lo_at, hi_at = int(positions.min()), int(positions.max()) + 1
+        local = positions - lo_at
+        arrays = [t[lo_at:hi_at].cpu().numpy()[local] for t in self._flat]
         x, bound, _ = reconstruct_chunk(arrays[0], arrays[1], arrays[2], self.coefficients)
         with np.errstate(all="ignore"):
             lo, hi = x - bound, x + bound
@@ -363,13 +385,6 @@ class Inversion:
         """The whole parameter, ``chunk_elements`` at a time (1-4 Mi is a good size)."""
         for start in range(0, self.numel, max(1, chunk_elements)):
             yield self.chunk(start, start + chunk_elements)
-
-
-def torch_index(positions: np.ndarray) -> torch.Tensor:
-    """An int64 torch index tensor of numpy ``positions``."""
-    import torch
-
-    return torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64))
 
 
 def _scalar(value: Any) -> float:

@@ -29,6 +29,7 @@ copy, or a frame without uncertain elements). Pure per job; run jobs on any thre
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -52,6 +53,10 @@ from deltastore.publish.reconstruct import DEFAULT_CHUNK, Inversion, bf16_words
 
 if TYPE_CHECKING:
     import torch
+
+#: The bf16 word torch's cast gives a NaN on some paths (its vectorized CPU cast gives 0xFFFF),
+#: replaced by the canonical one of :func:`~deltastore.publish.reconstruct.bf16_words`.
+CANONICAL_NAN = 0x7FC0
 
 Mode = Literal["new", "delta", "verify", "absolute"]
 
@@ -85,7 +90,8 @@ class ReconJob:
     parameter, 1-D, detached; any device), encoded as ``mode`` (module docstring).
     ``inversion``: the reconstruction (``"delta"``); ``held``: the frame's block digests at
     the parent (``"delta"``, ``"verify"``); ``full``: also encode the new words (an anchor
-    copy); ``chunk``: elements per step (a multiple of :data:`BLOCK`)."""
+    copy); ``chunk``: elements per step (a multiple of :data:`BLOCK`); ``scratch``: the
+    writer's chunk buffers (None: fresh ones for this job)."""
 
     flat: torch.Tensor
     a: int
@@ -95,6 +101,7 @@ class ReconJob:
     held: np.ndarray | None = None
     full: bool = False
     chunk: int = DEFAULT_CHUNK
+    scratch: ScratchPool | None = None
 
 
 @dataclass
@@ -118,10 +125,99 @@ class ReconFrame:
     encode_s: float = 0.0
 
 
-def new_words(flat: torch.Tensor, a: int, b: int) -> np.ndarray:
-    """bf16 words (``<u2``) of elements ``[a, b)`` of a flat fp32 tensor (a copy of that
-    range only)."""
+def _probe() -> np.ndarray:
+    """fp32 values where a cast may go wrong: zeros, infinities, NaNs, subnormals, the
+    largest finite values, exact ties (odd and even), values just off a tie."""
+    bits = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001]
+    bits += [1, 0x8000, 0x8001, 0x18000, 0x807FFFFF, 0x7FFFFF, 0x7F7FFFFF, 0xFF7F8000]
+    bits += [0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F818001, 0x00FF8000, 0x80018000]
+    more = np.arange(0, 1 << 32, 65_521, dtype=np.uint64).astype(np.uint32)
+    return np.concatenate([np.asarray(bits, dtype=np.uint32), more, more | 0x8000]).view(np.float32)
+
+
+_torch_exact: list[bool] = []
+
+
+def torch_cast_exact() -> bool:
+    """Whether this process's torch casts fp32 to the words of ``bf16_words`` (after
+    :data:`CANONICAL_NAN` replaces NaN words): checked once, on :func:`_probe`'s values
+    (e.g. a CPU whose bf16 instruction flushes subnormals fails it: the numpy cast is used)."""
+    if not _torch_exact:
+        import torch
+
+        x = _probe()
+        buf = torch.empty(x.size, dtype=torch.bfloat16)
+        got = cast_words(torch.from_numpy(x), buf)
+        _torch_exact.append(bool(np.array_equal(got, bf16_words(x))))
+    return _torch_exact[0]
+
+
+def cast_words(src: torch.Tensor, buf: torch.Tensor) -> np.ndarray:
+    """bf16 words (``<u2``, a view of ``buf``'s first elements) of ``src`` (1-D float32, any
+    device), cast by torch into ``buf`` (a CPU bfloat16 tensor at least as long: no
+    allocation), NaN words replaced by :data:`CANONICAL_NAN`."""
+    import torch
+
+    out = buf[: src.numel()]
+    out.copy_(src)
+    words: np.ndarray = out.view(torch.int16).numpy().view("<u2")
+    # the NaN words: magnitude above the infinity's (one compare, rarely any)
+    if int(words.max(initial=0)) > 0x7F80 and bool(np.any((words & 0x7FFF) > 0x7F80)):
+        words[(words & 0x7FFF) > 0x7F80] = CANONICAL_NAN
+    return words
+
+
+def new_words(flat: torch.Tensor, a: int, b: int, buf: torch.Tensor | None = None) -> np.ndarray:
+    """bf16 words (``<u2``) of elements ``[a, b)`` of a flat fp32 tensor, as
+    :func:`~deltastore.publish.reconstruct.bf16_words` gives them. With ``buf`` (a CPU
+    bfloat16 tensor of at least ``b - a`` elements) torch casts into it and the words are a
+    view of it (when :func:`torch_cast_exact`); otherwise a new array."""
+    if buf is not None and torch_cast_exact():
+        return cast_words(flat[a:b].detach(), buf)
     return bf16_words(flat[a:b].detach().cpu().numpy())
+
+
+class Scratch:
+    """One thread's chunk buffers (``size`` elements): the new words (a bfloat16 tensor and
+    its ``<u2`` view), the old words, the certain mask, a bool scratch. 6 bytes per element."""
+
+    def __init__(self, size: int) -> None:
+        import torch
+
+        self.size = size
+        self.cast = torch.empty(size, dtype=torch.bfloat16)
+        self.old = np.empty(size, dtype="<u2")
+        self.certain = np.empty(size, dtype=np.bool_)
+        self.flags = np.empty(size, dtype=np.bool_)
+
+
+class ScratchPool:
+    """Chunk buffers reused from chunk to chunk, frame to frame and publish to publish: a job
+    takes a :class:`Scratch` and gives it back when its frame is encoded, so the worker
+    threads stop allocating (and the allocator's per-thread arenas stop growing with) fresh
+    chunk-sized arrays. Holds at most as many as jobs ran at once (the writer's threads).
+    Thread-safe."""
+
+    def __init__(self) -> None:
+        self._free: list[Scratch] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> Scratch:
+        """A scratch of at least ``size`` elements (a smaller free one is dropped)."""
+        with self._lock:
+            got = self._free.pop() if self._free else None
+        if got is None or got.size < size:
+            got = Scratch(max(size, got.size if got is not None else 0))
+        return got
+
+    def give(self, scratch: Scratch) -> None:
+        with self._lock:
+            self._free.append(scratch)
+
+    def clear(self) -> None:
+        """Drop the free buffers."""
+        with self._lock:
+            self._free = []
 
 
 def check_blocks(
@@ -133,16 +229,24 @@ def check_blocks(
     :data:`CHUNK_TRIES` candidate combinations in all: past them a block that misses is sent
     whole without trying."""
     bad = np.zeros(held.size, dtype=np.bool_)
+    missed = np.flatnonzero(digest_blocks(old) != held).tolist()
+    if not missed:
+        return bad
+    # the uncertain words of every missed block, their candidates in one call
+    uncs = [np.flatnonzero(~certain[j * BLOCK : (j + 1) * BLOCK]) for j in missed]
+    at = np.concatenate([u + j * BLOCK for u, j in zip(uncs, missed, strict=True)])
+    lo_all, hi_all, zero_all = inversion.candidates(at + first)
+    ends = np.cumsum([0] + [u.size for u in uncs]).tolist()
     budget = CHUNK_TRIES
-    for j in np.flatnonzero(digest_blocks(old) != held).tolist():
+    for k, j in enumerate(missed):
         s = j * BLOCK
         blk = old[s : s + BLOCK]
-        unc = np.flatnonzero(~certain[s : s + BLOCK])
+        unc = uncs[k]
         if unc.size == 0 or budget <= 0:
             bad[j] = True
             continue
-        lo, hi, zero = inversion.candidates(unc + (first + s))
-        cands = candidate_lists(blk[unc], lo, hi, zero)
+        part = slice(ends[k], ends[k + 1])
+        cands = candidate_lists(blk[unc], lo_all[part], hi_all[part], zero_all[part])
         tries = min(MAX_TRIES, budget, math.prod(len(c) for c in cands))
         bad[j] = not resolve_block(blk, unc, cands, int(held[j]), tries)
         budget -= tries if bad[j] else 1
@@ -157,12 +261,24 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
 def encode_frame(job: ReconJob, enc: FrameEncoder) -> ReconFrame:
     """Encode one frame of a snapshot-free tensor (module docstring). Thread-safe per job
     (``enc`` is the calling thread's own)."""
+    pool = job.scratch if job.scratch is not None else ScratchPool()
+    scratch = pool.take(min(job.chunk, job.b - job.a))
+    try:
+        return _encode_frame(job, enc, scratch)
+    finally:
+        pool.give(scratch)
+
+
+def _encode_frame(job: ReconJob, enc: FrameEncoder, sc: Scratch) -> ReconFrame:
     t0 = time.perf_counter()
     n = job.b - job.a
     mode = job.mode
     digests = np.empty(block_count(n), dtype=np.uint64)
     keep_new = mode in ("new", "absolute") or job.full
     whole = mode == "delta"  # every old word proven so far: the usual codecs apply
+    # a frame of several chunks keeps copies of the parts it encodes whole (the buffers are
+    # reused by the next chunk); a frame of one chunk encodes from the buffers themselves
+    several = n > job.chunk
     new_parts: list[np.ndarray] = []
     old_parts: list[np.ndarray] = []
     pos_parts: list[np.ndarray] = []
@@ -173,18 +289,18 @@ def encode_frame(job: ReconJob, enc: FrameEncoder) -> ReconFrame:
     for c in range(job.a, job.b, job.chunk):
         e = min(c + job.chunk, job.b)
         local = c - job.a
-        new = new_words(job.flat, c, e)
+        new = new_words(job.flat, c, e, sc.cast)
         adler = adler32(new, adler)
         k0 = local // BLOCK
         nd = digest_blocks(new)
         digests[k0 : k0 + nd.size] = nd
         if keep_new or whole:
-            new_parts.append(new)
+            new_parts.append(new.copy() if several else new)
         if mode == "new":
             continue
         if mode == "absolute":
             pos_parts.append(np.arange(local, local + e - c, dtype=np.int64))
-            word_parts.append(new)
+            word_parts.append(new.copy())
             flag_parts.append(np.ones(e - c, dtype=np.bool_))
             continue
         assert job.held is not None
@@ -192,30 +308,31 @@ def encode_frame(job: ReconJob, enc: FrameEncoder) -> ReconFrame:
         old: np.ndarray | None = None
         if mode == "verify":
             bad = nd != held
-            absolute = np.repeat(bad, BLOCK)[: e - c]
-            send = absolute
         else:
             assert job.inversion is not None
-            rec = job.inversion.chunk(c, e)
+            rec = job.inversion.chunk(c, e, out=(sc.old, sc.certain))
             old, certain = rec.words, rec.certain
             bad = check_blocks(old, certain, held, job.inversion, c)
-            absolute = np.repeat(bad, BLOCK)[: e - c]
             # uncertain words of verified blocks were resolved by the digest: proven too
-            out.uncertain += int(np.count_nonzero(~certain & ~absolute))
-            send = old != new
-            send |= absolute
+            if bad.any():
+                out.uncertain += int(np.count_nonzero(~certain & ~np.repeat(bad, BLOCK)[: e - c]))
+            else:
+                out.uncertain += (e - c) - int(np.count_nonzero(certain))
         out.verified += int(np.count_nonzero(~bad))
         out.raw += int(np.count_nonzero(bad))
         out.raw_at.extend((local + int(j) * BLOCK) for j in np.flatnonzero(bad))
-        p = np.flatnonzero(send)
-        flags = absolute[p]
-        if old is not None:  # XOR masks where certain, the new words where absolute
-            values = np.bitwise_xor(old, new)
-            np.copyto(values, new, where=absolute)
-            words = values[p]
-            del values
+        if old is not None and not bad.any():  # every old word proven: XOR masks only
+            p = np.flatnonzero(np.not_equal(old, new, out=sc.flags[: e - c]))
+            words = old[p]
+            words ^= new[p]
+            flags = np.zeros(p.size, dtype=np.bool_)
         else:
-            words = new[p]
+            absolute = np.repeat(bad, BLOCK)[: e - c]
+            send = absolute if old is None else (old != new) | absolute
+            p = np.flatnonzero(send)
+            flags = absolute[p]
+            # XOR masks where proven, the new words where absolute
+            words = new[p] if old is None else np.where(flags, new[p], old[p] ^ new[p])
         if p.size:
             p += local
             pos_parts.append(p)
@@ -227,7 +344,7 @@ def encode_frame(job: ReconJob, enc: FrameEncoder) -> ReconFrame:
             if not keep_new:
                 new_parts = []
         elif whole and old is not None:
-            old_parts.append(old)
+            old_parts.append(old.copy() if several else old)
     out.adler = adler
     if mode == "new":
         out.codec, out.data = enc.new_words(_joined(new_parts))
@@ -258,8 +375,12 @@ __all__ = [
     "Mode",
     "ReconFrame",
     "ReconJob",
+    "Scratch",
+    "ScratchPool",
     "SnapshotFreeStats",
+    "cast_words",
     "check_blocks",
     "encode_frame",
     "new_words",
+    "torch_cast_exact",
 ]

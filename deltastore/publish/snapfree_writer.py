@@ -50,6 +50,7 @@ from deltastore.publish.snapfree import (
     Mode,
     ReconFrame,
     ReconJob,
+    ScratchPool,
     SnapshotFreeStats,
 )
 
@@ -127,6 +128,8 @@ class SnapshotFree:
         self.digests: dict[str, np.ndarray] = {}
         #: Tensors held as snapshots for good (name -> reason).
         self.sticky: dict[str, str] = {}
+        #: Chunk buffers of the encoder threads, reused from publish to publish.
+        self.scratch = ScratchPool()
 
     def close(self) -> None:
         """Remove the optimizer hook."""
@@ -246,7 +249,9 @@ class SnapshotFree:
             offsets = block_offsets(grids[name])
             for i, (a, b) in enumerate(grids[name]):
                 part = held[offsets[i] : offsets[i + 1]] if held is not None else None
-                yield ReconJob(items[name].flat, a, b, mode, inversion, part, full, self.chunk)
+                yield ReconJob(
+                    items[name].flat, a, b, mode, inversion, part, full, self.chunk, self.scratch
+                )
 
     def pack(
         self,
