@@ -241,3 +241,25 @@ def test_the_exact_path_alone_is_the_reference() -> None:
     ref_words, ref_certain = invert_chunk(p, m, v, coef)
     assert np.array_equal(words.view(np.uint16), ref_words.view(np.uint16))
     assert np.array_equal(certain, ref_certain)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 2775, 2776, 2777, 5553, 70_001])
+def test_cast_and_adler_in_one_pass(n: int) -> None:
+    import zlib
+
+    rng = np.random.default_rng(n)
+    bits = rng.integers(0, 1 << 32, size=n, dtype=np.uint64).astype(np.uint32)
+    bits[: min(n, 6)] = [0x7FC00000, 0xFFFFFFFF, 0x80000000, 1, 0x7F7FFFFF, 0x3F808000][
+        : min(n, 6)
+    ]  # NaNs, -0, a subnormal, rounding to infinity, a tie
+    x = bits.view(np.float32)
+    ref = bf16_words(x)
+    out = np.full(n + 9, 0xABCD, dtype="<u2")
+    assert np.array_equal(kernel.bf16_cast(x, out)[:n].view(np.int16), ref.view(np.int16))
+    for value in (1, 0xFFF0FFF0, 0x12345678):
+        out[:] = 0
+        got = kernel.cast_adler(x, out, value)
+        assert got == zlib.adler32(ref.tobytes(), value), (n, value)
+        assert np.array_equal(out[:n].view(np.int16), ref.view(np.int16))
+    with pytest.raises(ValueError, match="out"):
+        kernel.bf16_cast(x, np.empty(max(0, n - 1), dtype="<u2") if n else np.empty(0, "<i2"))

@@ -23,6 +23,10 @@ next: the new words (bf16 of the current parameter, as
 :func:`~deltastore.publish.reconstruct.bf16_words`) and the positions to send (old word !=
 new word, or not certain).
 
+:func:`bf16_cast` and :func:`cast_adler` cast one chunk of a parameter to its new words
+(as ``bf16_words``) on the calling thread, the second with the Adler-32 of their bytes in the
+same pass (about 0.4 ns per element against 0.65 for zlib's Adler-32 alone).
+
 numba is imported when this module is (the first snapshot-free reconstruction; the publisher
 imports this module lazily): compiled functions are cached on disk next to this file
 (``cache=True``; the first call in a fresh environment compiles them, ~1-3 s). The kernels
@@ -295,6 +299,85 @@ def _invert_diff(
                     positions[n] = i
                     n += 1
     return n
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _cast(src: np.ndarray, out: np.ndarray) -> None:
+    for i in range(src.shape[0]):  # vectorized
+        out[i] = _new_word(src[i])
+
+
+#: Adler-32's modulus, and the most words (2 bytes each) summed before reducing it
+#: (zlib's NMAX: 5552 bytes keep the 32-bit sums from overflowing; here 64-bit sums).
+_MOD = 65521
+_SPAN = 2776
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _cast_adler(src: np.ndarray, out: np.ndarray, value: np.int64) -> Any:
+    a = value & 0xFFFF
+    b = (value >> 16) & 0xFFFF
+    size = src.shape[0]
+    for i in range(size):  # vectorized
+        out[i] = _new_word(src[i])
+    for start in range(0, size, _SPAN):
+        stop = min(start + _SPAN, size)
+        nbytes = 2 * (stop - start)
+        # 32-bit sums cannot overflow over a span (sb < 2776 * 5552 * 255 < 2**32)
+        sa = np.uint32(0)
+        sj = np.uint32(0)
+        sh = np.uint32(0)
+        span = out[start:stop]
+        for j in range(stop - start):  # vectorized: plain sums
+            w = np.uint32(span[j])
+            t = (w & np.uint32(0xFF)) + (w >> np.uint32(8))
+            sa += t
+            sj += np.uint32(j) * t
+            sh += w >> np.uint32(8)
+        # sum over bytes of (bytes left) * byte: word j's low byte has nbytes - 2j left,
+        # its high byte one less (sj < 2776 * 2776 * 510 < 2**32)
+        sb = np.int64(nbytes) * np.int64(sa) - 2 * np.int64(sj) - np.int64(sh)
+        b = (b + nbytes * a + sb) % _MOD
+        a = (a + np.int64(sa)) % _MOD
+    return (b << 16) | a
+
+
+def cast_adler(src: np.ndarray, out: np.ndarray, value: int = 1) -> int:
+    """:func:`bf16_cast` into ``out`` and, in the same pass, the Adler-32 of the words'
+    little-endian bytes continuing from ``value`` (as ``zlib.adler32(words, value)``).
+    Returns the Adler-32; the words are ``out[:len(src)]``."""
+    words = bf16_cast(src[:0], out)  # checks out
+    del words
+    (p,) = _inputs(src)
+    if out.shape[0] < p.shape[0]:
+        raise ValueError(f"out holds {out.shape[0]} words, fewer than {p.shape[0]}")
+    return int(_cast_adler(p, out[: p.shape[0]], np.int64(value & 0xFFFFFFFF)))
+
+
+def bf16_cast(src: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """bf16 words (``<u2``) of a 1-D float32 array, as
+    :func:`~deltastore.publish.reconstruct.bf16_words` (round to nearest even, NaN ->
+    0x7FC0), in one vectorized pass on the calling thread. ``out``: a 1-D contiguous ``<u2``
+    buffer of at least ``src``'s length to write into (the result is a view of its first
+    elements)."""
+    (p,) = _inputs(src)
+    if out is None:
+        words = np.empty(p.shape[0], dtype="<u2")
+    elif (
+        out.dtype != np.dtype("<u2")
+        or out.ndim != 1
+        or out.shape[0] < p.shape[0]
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
+        raise ValueError(
+            f"out must be a writable contiguous 1-D <u2 array of at least {p.shape[0]} "
+            f"elements (got {out.dtype} {out.shape})"
+        )
+    else:
+        words = out[: p.shape[0]]
+    _cast(p, words)
+    return words
 
 
 def _scalars(coef: Coefficients) -> np.ndarray:

@@ -7,7 +7,8 @@ digests of what it published (:mod:`deltastore.publish.digests`). Per frame of s
 :data:`~deltastore.publish.digests.BLOCK`), :func:`encode_frame`:
 
 1. casts the chunk of the fp32 parameter to its new bf16 words (round to nearest even, as
-   torch) and hashes their blocks (the digests of the new version, adopted after the commit);
+   torch; with their Adler-32 in the same compiled pass where numba is there) and hashes
+   their blocks (the digests of the new version, adopted after the commit);
 2. by ``mode``: ``"new"`` (no parent: the frame's new words, an anchor); ``"absolute"``
    (every element as an absolute entry: the old words are unknown); ``"verify"`` (no step
    moved the parameter: blocks whose new words match the digests are unchanged, the others
@@ -20,7 +21,10 @@ digests of what it published (:mod:`deltastore.publish.digests`). Per frame of s
    XOR entries only is encoded as the smallest of the usual delta codecs (its old words are
    all proven).
 
-Memory: the float64 temporaries of one chunk, the frame's entries (O(changed)), and the
+Memory: per thread, one :class:`Scratch` of chunk buffers (6 bytes per element, reused from
+chunk to chunk and publish to publish through the writer's :class:`ScratchPool`), the
+float64 temporaries of the few elements the compiled kernel cannot prove on its float32
+path, the frame's entries (O(changed)), and the
 frame's words only where they are encoded whole (an anchor, an absolute frame, an anchor
 copy, or a frame without uncertain elements). Pure per job; run jobs on any threads, one
 :class:`~deltastore.format.codecs.FrameEncoder` per thread, before the next optimizer step.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -172,9 +177,53 @@ def new_words(flat: torch.Tensor, a: int, b: int, buf: torch.Tensor | None = Non
     :func:`~deltastore.publish.reconstruct.bf16_words` gives them. With ``buf`` (a CPU
     bfloat16 tensor of at least ``b - a`` elements) torch casts into it and the words are a
     view of it (when :func:`torch_cast_exact`); otherwise a new array."""
+    src = flat[a:b].detach()
+    if buf is not None and src.device.type == "cpu":
+        cast = _kernel_cast()
+        if cast is not None:  # one compiled pass on this thread
+            return cast(src.numpy(), buf.view(torch_int16()).numpy().view("<u2"))
     if buf is not None and torch_cast_exact():
-        return cast_words(flat[a:b].detach(), buf)
-    return bf16_words(flat[a:b].detach().cpu().numpy())
+        return cast_words(src, buf)
+    return bf16_words(src.cpu().numpy())
+
+
+def new_words_adler(
+    flat: torch.Tensor, a: int, b: int, buf: torch.Tensor, value: int
+) -> tuple[np.ndarray, int]:
+    """:func:`new_words` into ``buf`` and the Adler-32 of their bytes continuing from
+    ``value``: one compiled pass over a CPU range when numba is there
+    (:func:`deltastore.publish.invert_kernel.cast_adler`), else the cast then zlib."""
+    src = flat[a:b].detach()
+    if src.device.type == "cpu" and _kernel_cast() is not None:
+        from deltastore.publish.invert_kernel import cast_adler
+
+        out = buf.view(torch_int16()).numpy().view("<u2")
+        value = cast_adler(src.numpy(), out, value)
+        return out[: b - a], value
+    words = new_words(flat, a, b, buf)
+    return words, adler32(words, value)
+
+
+_cast_fn: list[Callable[[np.ndarray, np.ndarray], np.ndarray] | None] = []
+
+
+def _kernel_cast() -> Callable[[np.ndarray, np.ndarray], np.ndarray] | None:
+    """The compiled cast (:func:`deltastore.publish.invert_kernel.bf16_cast`), None without
+    numba; imported on first use."""
+    if not _cast_fn:
+        try:
+            from deltastore.publish.invert_kernel import bf16_cast
+        except ImportError:
+            _cast_fn.append(None)
+        else:
+            _cast_fn.append(bf16_cast)
+    return _cast_fn[0]
+
+
+def torch_int16() -> torch.dtype:
+    import torch
+
+    return torch.int16
 
 
 class Scratch:
@@ -289,8 +338,7 @@ def _encode_frame(job: ReconJob, enc: FrameEncoder, sc: Scratch) -> ReconFrame:
     for c in range(job.a, job.b, job.chunk):
         e = min(c + job.chunk, job.b)
         local = c - job.a
-        new = new_words(job.flat, c, e, sc.cast)
-        adler = adler32(new, adler)
+        new, adler = new_words_adler(job.flat, c, e, sc.cast, adler)
         k0 = local // BLOCK
         nd = digest_blocks(new)
         digests[k0 : k0 + nd.size] = nd
@@ -382,5 +430,6 @@ __all__ = [
     "check_blocks",
     "encode_frame",
     "new_words",
+    "new_words_adler",
     "torch_cast_exact",
 ]
