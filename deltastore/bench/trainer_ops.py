@@ -42,13 +42,14 @@ def load_code(publisher: str) -> None:
     import deltastore.publish.publisher  # noqa: F401
 
     if publisher == "none":
-        from deltastore.publish.invert_kernel import invert_and_diff, invert_chunk
+        from deltastore.publish.invert_kernel import cast_adler, invert_and_diff, invert_chunk
         from deltastore.publish.reconstruct import StepScalars, step_coefficients
 
         coef = step_coefficients(StepScalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 1))
         one = np.ones(1, dtype=np.float32)
         invert_chunk(one, one, one, coef)  # type: ignore[arg-type]
         invert_and_diff(one, one, one, coef)  # type: ignore[arg-type]
+        cast_adler(one, np.empty(1, dtype="<u2"))
 
 
 def publish_passes(
@@ -59,12 +60,14 @@ def publish_passes(
     after the publish, before the next step (the moments are the step's)."""
     from deltastore.format.checksum import adler32
     from deltastore.publish.digests import digest_blocks
-    from deltastore.publish.invert_kernel import invert_and_diff, invert_chunk
+    from deltastore.publish.invert_kernel import cast_adler, invert_and_diff, invert_chunk
     from deltastore.publish.reconstruct import bf16_words
 
     inverter = getattr(opt, "_deltastore_bench_inverter", None)
     plans = [(p, inverter.plan(p) if inverter is not None else None) for p in params.values()]
     flats = [(p.detach().reshape(-1), plan) for p, plan in plans]
+
+    buf = np.empty(chunk, dtype="<u2")  # cast_adler's words, reused
 
     def each(fn: Callable[[torch.Tensor, int, int, Any], object]) -> float:
         t0 = time.perf_counter()
@@ -95,6 +98,9 @@ def publish_passes(
         "read p, m, v (torch sum)": read_floor(opt, params),
         "bf16 words (numpy bf16_words)": each(lambda f, a, b, _: bf16_words(f[a:b].numpy())),
         "bf16 cast (torch)": each(lambda f, a, b, _: f[a:b].to(torch.bfloat16)),
+        "new words + Adler-32 (cast_adler, the publish's)": each(
+            lambda f, a, b, _: cast_adler(f[a:b].numpy(), buf)
+        ),
         "block digests (XXH3-64)": on_words(digest_blocks),
         "Adler-32": on_words(adler32),
     }
