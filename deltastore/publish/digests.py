@@ -29,8 +29,10 @@ import xxhash
 BLOCK = 4096
 #: Most candidate combinations of a block's uncertain words tried against its digest.
 MAX_TRIES = 1024
-#: Most candidate words of one uncertain element.
-MAX_CANDIDATES = 64
+#: Most candidate words of one uncertain element: as many as a block may try, so a lone
+#: uncertain element whose bound spans many words (an update that cancels the weight: the
+#: bound straddles zero across dozens of binades) is resolved by walking out from the guess.
+MAX_CANDIDATES = MAX_TRIES
 #: Most combinations tried in all the blocks of one chunk: a reconstruction that is wrong
 #: everywhere (a wrong lr) costs a bounded time, its blocks are sent whole. Normal runs use a
 #: few per block that misses its best guess (measured: at most 7).
