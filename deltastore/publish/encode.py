@@ -21,6 +21,7 @@ import xxhash
 
 from deltastore.format.checksum import adler32, apply_delta, delta_sums
 from deltastore.format.codecs import NEW_WORDS_CODECS, RAW, Codec, CodecSet, FrameEncoder
+from deltastore.format.manifest import Frame
 
 J = TypeVar("J")
 R = TypeVar("R")
@@ -46,6 +47,22 @@ class FullFrame:
     codec: Codec
     data: bytes
     xxh3: str
+
+    def frame(self, start: int, stop: int, obj: str, offset: int, adler: int) -> Frame:
+        """Its manifest entry in the anchor copy: elements ``[start, stop)`` (global), stored
+        at ``offset`` of data object ``obj``, ``adler`` the Adler-32 of its new words."""
+        return Frame(
+            start=start,
+            stop=stop,
+            codec=self.codec,
+            object=obj,
+            offset=offset,
+            length=len(self.data),
+            xxh3=self.xxh3,
+            changed=stop - start,
+            adler32=adler,
+            parent_adler32=None,
+        )
 
 
 @dataclass(frozen=True)

@@ -399,20 +399,8 @@ class ChainWriter:
                         pending.codecs[out.codec] = pending.codecs.get(out.codec, 0) + 1
                     if out.full is not None:
                         obj, offset = copy_packs.add(out.full.data)
-                        copy_frames.append(
-                            Frame(
-                                start=start + a,
-                                stop=start + b,
-                                codec=out.full.codec,
-                                object=obj,
-                                offset=offset,
-                                length=len(out.full.data),
-                                xxh3=out.full.xxh3,
-                                changed=b - a,
-                                adler32=out.adler,
-                                parent_adler32=None,
-                            )
-                        )
+                        entry = out.full.frame(start + a, start + b, obj, offset, out.adler)
+                        copy_frames.append(entry)
                     if prev is not None and out.pos is not None and out.pos.size:
                         new_at = words[a:b][out.pos] if out.new_at is None else out.new_at
                         pending.updates.append(HeldChange(prev.words, out.pos + a, new_at))

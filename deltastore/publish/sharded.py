@@ -62,6 +62,7 @@ from deltastore.tensors.dtypes import np_words
 
 if TYPE_CHECKING:
     from deltastore.publish.snapfree_prepare import Prepared
+    from deltastore.publish.snapfree_writer import Item, SnapshotFree
 
 log = logging.getLogger(__name__)
 
@@ -292,12 +293,7 @@ class ShardWriter(ChainWriter):
 
         sf = self._snapfree
         assert sf is not None
-        items = sf.items(
-            {n: s.tensor for n, s in slices.items()},
-            table_entry,
-            owners={n: s.param for n, s in slices.items()},
-            shapes={n: s.global_shape for n, s in slices.items()},
-        )
+        items = _items(sf, slices)
         held = self._held.tensors
         same = held is not None and {n: (*it.spec, rows[n]) for n, it in items.items()} == {
             n: (s.dtype, s.shape, s.rows) for n, s in held.items()
@@ -380,12 +376,7 @@ class ShardWriter(ChainWriter):
 
         sf = self._snapfree
         assert sf is not None
-        items = sf.items(
-            {n: s.tensor for n, s in slices.items()},
-            table_entry,
-            owners={n: s.param for n, s in slices.items()},
-            shapes={n: s.global_shape for n, s in slices.items()},
-        )
+        items = _items(sf, slices)
         sums: dict[str, TensorSums] = {}
         held: dict[str, np.ndarray] = {}
         digests: dict[str, np.ndarray] = {}
@@ -420,6 +411,17 @@ class ShardWriter(ChainWriter):
         sf.digests = digests
         sf.inverter.mark()
         return manifest.version
+
+
+def _items(sf: SnapshotFree, slices: Mapping[str, RowSlice]) -> dict[str, Item]:
+    """The snapshot-free writer's classification of ``slices`` (local tensors, their
+    optimizer parameters, global shapes)."""
+    return sf.items(
+        {n: s.tensor for n, s in slices.items()},
+        table_entry,
+        owners={n: s.param for n, s in slices.items()},
+        shapes={n: s.global_shape for n, s in slices.items()},
+    )
 
 
 def _words_adler(words: np.ndarray, start: int, stop: int) -> int:

@@ -304,20 +304,7 @@ class SnapshotFree:
                     codecs[r.codec] = codecs.get(r.codec, 0) + 1
                 if r.full is not None:
                     obj, offset = add_copy(r.full.data)
-                    copies.append(
-                        Frame(
-                            start=start + a,
-                            stop=start + b,
-                            codec=r.full.codec,
-                            object=obj,
-                            offset=offset,
-                            length=len(r.full.data),
-                            xxh3=r.full.xxh3,
-                            changed=b - a,
-                            adler32=r.adler,
-                            parent_adler32=None,
-                        )
-                    )
+                    copies.append(r.full.frame(start + a, start + b, obj, offset, r.adler))
                 out.verified += r.verified
                 out.raw += r.raw
                 out.uncertain += r.uncertain
