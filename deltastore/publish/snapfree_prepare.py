@@ -225,30 +225,30 @@ def chunk_sums(
     flat: torch.Tensor, grid: list[tuple[int, int]], chunk: int
 ) -> tuple[list[int], np.ndarray]:
     """Per-frame Adler-32 and the block digests of the bf16 cast of ``flat``, chunk by chunk
-    (for an attach: no copy of the tensor)."""
-    from deltastore.format.checksum import adler32
-    from deltastore.publish.snapfree import new_words
+    into one reused buffer (for an attach: no copy of the tensor)."""
+    from deltastore.publish.snapfree import new_words_adler
 
+    buf = torch.empty(min(chunk, max((b - a for a, b in grid), default=0)), dtype=torch.bfloat16)
     sums: list[int] = []
     digests: list[np.ndarray] = []
     for a, b in grid:
         value = 1
         for c in range(a, b, chunk):
-            words = new_words(flat, c, min(c + chunk, b))
-            value = adler32(words, value)
+            words, value = new_words_adler(flat, c, min(c + chunk, b), buf, value)
             digests.append(digest_blocks(words))
         sums.append(value)
     return sums, np.concatenate(digests) if digests else np.empty(0, np.uint64)
 
 
 def range_adler(flat: torch.Tensor, chunk: int, start: int, stop: int) -> int:
-    """Adler-32 of the bf16 cast of ``flat[start:stop]``, chunk by chunk."""
-    from deltastore.format.checksum import adler32
-    from deltastore.publish.snapfree import new_words
+    """Adler-32 of the bf16 cast of ``flat[start:stop]``, chunk by chunk into one reused
+    buffer."""
+    from deltastore.publish.snapfree import new_words_adler
 
+    buf = torch.empty(min(chunk, max(stop - start, 0)), dtype=torch.bfloat16)
     value = 1
     for c in range(start, stop, chunk):
-        value = adler32(new_words(flat, c, min(c + chunk, stop)), value)
+        value = new_words_adler(flat, c, min(c + chunk, stop), buf, value)[1]
     return value
 
 
