@@ -114,7 +114,7 @@ class ReconFrame:
     """What :func:`encode_frame` produced: the frame (``data`` None: nothing changed), its
     new Adler-32 and block digests, the anchor-copy frame, and counters: blocks verified
     against a digest, blocks sent whole (``raw_at``: their frame-local starts), uncertain
-    elements sent as absolute words of verified blocks."""
+    elements of verified blocks (their words resolved by the digest)."""
 
     changed: int
     adler: int
