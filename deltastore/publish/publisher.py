@@ -51,6 +51,7 @@ from deltastore.format.ratios import SizeRatios
 from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys, verify_manifest
 from deltastore.progress import ProgressFn, Ticker
 from deltastore.publish.commit import (
+    Committed,
     chain_costs,
     check_head,
     check_version_number,
@@ -629,8 +630,33 @@ class Publisher(ChainWriter):
         full = kind == "delta" and reason is not None
         host = {n: host_words(t) for n, t in tensors.items()}
         pending = self._encode(version, host, table, parent_state, kind, progress, full=full)
+        committed = self._commit(version, kind, parent, pending, enforced)
+        copy = committed.copy
+        self._adopt(committed.manifest, host, pending, incremental=parent is not None)
+        self._account(version, kind, committed)
+        report = self._report(
+            version,
+            kind,
+            parent,
+            host,
+            pending,
+            t_start,
+            reason if kind == "anchor" or copy is not None else None,
+            None if copy is None else copy.payload_bytes,
+        )
+        return _logged(report)
+
+    def _commit(
+        self,
+        version: int,
+        kind: Literal["anchor", "delta"],
+        parent: Parent | None,
+        pending: Pending,
+        enforced: bool,
+    ) -> Committed:
+        """The head check (a zombie publisher stops there), the commit, the anchor copy and
+        ``LATEST`` of ``pending``'s entries; their time counts in ``upload_s``."""
         t0 = time.perf_counter()
-        # the head check (a zombie publisher stops there), the commit, the anchor copy, LATEST
         committed = commit_version(
             self._io,
             version=version,
@@ -643,35 +669,20 @@ class Publisher(ChainWriter):
             check=partial(check_head, self._io, version, parent),
             copy_entries=pending.copy_entries,
         )
-        manifest, body, copy = committed.manifest, committed.body, committed.copy
         pending.upload_s += time.perf_counter() - t0
-        self._adopt(manifest, host, pending, incremental=parent is not None)
-        stored = manifest.payload_bytes + len(body)  # what a reader fetches: frames, manifest
+        return committed
+
+    def _account(self, version: int, kind: str, committed: Committed) -> None:
+        """The anchor policy's account of a committed version: what a reader fetches (frames
+        and manifest), and its anchor copy's stored bytes when one was written."""
+        manifest, copy = committed.manifest, committed.copy
+        stored = manifest.payload_bytes + len(committed.body)
         if kind == "anchor":
             self._costs.anchored(version, stored)
         elif copy is not None:
             self._costs.anchored(version, stored_bytes(copy), last_delta=stored)
         else:
             self._costs.delta(stored)
-        report = self._report(
-            version,
-            kind,
-            parent,
-            host,
-            pending,
-            t_start,
-            reason if kind == "anchor" or copy is not None else None,
-            None if copy is None else copy.payload_bytes,
-        )
-        log.info(
-            "published v%d (%s): %.3f%% changed, %d payload bytes (%.2f%% of dense)",
-            version,
-            kind,
-            100 * report.changed_fraction,
-            report.payload_bytes,
-            100 * report.payload_ratio,
-        )
-        return report
 
     def _publish_snapshot_free(
         self,
@@ -695,29 +706,10 @@ class Publisher(ChainWriter):
         prep = prepare(
             self, sf, items, version=version, same_table=same, anchor=anchor, progress=progress
         )
-        t0 = time.perf_counter()
-        committed = commit_version(
-            self._io,
-            version=version,
-            kind=prep.kind,
-            parent=prep.parent,
-            entries=prep.pending.entries,
-            token=self.token,
-            signing_key=self._signing[0] if self._signing else None,
-            enforced=enforced,
-            check=partial(check_head, self._io, version, prep.parent),
-            copy_entries=prep.pending.copy_entries,
-        )
-        prep.pending.upload_s += time.perf_counter() - t0
-        manifest, copy = committed.manifest, committed.copy
-        prep.adopt(self, sf, manifest)
-        stored = manifest.payload_bytes + len(committed.body)
-        if prep.kind == "anchor":
-            self._costs.anchored(version, stored)
-        elif copy is not None:
-            self._costs.anchored(version, stored_bytes(copy), last_delta=stored)
-        else:
-            self._costs.delta(stored)
+        committed = self._commit(version, prep.kind, prep.parent, prep.pending, enforced)
+        copy = committed.copy
+        prep.adopt(self, sf, committed.manifest)
+        self._account(version, prep.kind, committed)
         reason = prep.reason if prep.kind == "anchor" or copy is not None else None
         report = self._report(
             version,
@@ -730,9 +722,24 @@ class Publisher(ChainWriter):
             None if copy is None else copy.payload_bytes,
         )
         numel, dense = prep.sizes
-        return dataclasses.replace(
-            report, total_elements=numel, dense_bytes=dense, snapshot_free=prep.stats
+        return _logged(
+            dataclasses.replace(
+                report, total_elements=numel, dense_bytes=dense, snapshot_free=prep.stats
+            )
         )
+
+
+def _logged(report: PublishReport) -> PublishReport:
+    """``report``, after its INFO line."""
+    log.info(
+        "published v%d (%s): %.3f%% changed, %d payload bytes (%.2f%% of dense)",
+        report.version,
+        report.kind,
+        100 * report.changed_fraction,
+        report.payload_bytes,
+        100 * report.payload_ratio,
+    )
+    return report
 
 
 def _snapshot_free(
@@ -751,8 +758,9 @@ def _snapshot_free(
         )
     if codecs == "v1":
         raise ValueError(
-            "snapshot='none' sends uncertain elements in xor-patch frames, which the 'v1' "
-            "codecs (deltastore 0.1.0 readers) lack: use codecs='v2' or a snapshot"
+            "snapshot='none' sends the blocks it cannot verify in xor-patch frames, which "
+            "readers before deltastore 0.3.0 lack, let alone the 'v1' codecs (deltastore "
+            "0.1.0 readers): use codecs='v2', or a snapshot"
         )
     if state_dir is not None:
         raise ValueError("snapshot='none' keeps no state folder: drop state_dir")
