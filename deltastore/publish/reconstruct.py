@@ -461,9 +461,9 @@ class AdamWInverter:
         import torch
 
         opt = self.optimizer
-        if type(opt) not in (torch.optim.AdamW, torch.optim.Adam):
-            name = type(opt).__name__
-            return Gate("optimizer", f"{name} is not torch.optim.AdamW: no inverse is known")
+        wrong = _type_gate(opt)
+        if wrong is not None:
+            return wrong
         if id(param) not in self._groups:
             self._groups = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
         index = self._groups.get(id(param))
@@ -525,15 +525,24 @@ def optimizer_gate(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Gat
     """The gates of :meth:`AdamWInverter.plan` that hold for every step (the optimizer's
     type, its param group's flags, a parameter not in any group); None when none applies.
     Lets a publisher decide before the first step which parameters it cannot reconstruct."""
-    import torch
-
-    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
-        name = type(optimizer).__name__
-        return Gate("optimizer", f"{name} is not torch.optim.AdamW: no inverse is known")
+    wrong = _type_gate(optimizer)
+    if wrong is not None:
+        return wrong
     for group in optimizer.param_groups:
         if any(p is param for p in group["params"]):
             return _group_gate(group)
     return Gate("not-a-parameter", "the tensor is not a parameter of the optimizer")
+
+
+def _type_gate(optimizer: torch.optim.Optimizer) -> Gate | None:
+    """The gate for an optimizer that is not ``AdamW`` or ``Adam`` (subclasses included: their
+    step is not known), else None."""
+    import torch
+
+    if type(optimizer) in (torch.optim.AdamW, torch.optim.Adam):
+        return None
+    name = type(optimizer).__name__
+    return Gate("optimizer", f"{name} is not torch.optim.AdamW: no inverse is known")
 
 
 def _group_gate(group: dict[str, Any]) -> Gate | None:
