@@ -42,7 +42,7 @@ from deltastore.errors import (
 )
 from deltastore.format.checksum import adler32, combine_frames
 from deltastore.format.keys import manifest_key
-from deltastore.format.manifest import Frame, Manifest, TensorEntry, parse_manifest
+from deltastore.format.manifest import Frame, Manifest, Parent, TensorEntry, parse_manifest
 from deltastore.progress import ProgressFn
 from deltastore.publish.commit import conditional_writes
 from deltastore.publish.parts import (
@@ -227,6 +227,16 @@ class ShardWriter(ChainWriter):
         host = {n: np_words(s.tensor.detach().cpu().contiguous()) for n, s in slices.items()}
         self._inflight = None
         pending = self._encode(version, host, specs, parent_state, kind, progress, rows)
+        part = self._write_part(version, parent, pending, rows)
+        kept = {} if parent is not None else {n: w.copy() for n, w in host.items()}
+        self._inflight = _Inflight(part, pending, kept)
+        return self._report(version, kind, parent, host, pending, t_start)
+
+    def _write_part(
+        self, version: int, parent: Parent | None, pending: Pending, rows: Mapping[str, Rows]
+    ) -> Part:
+        """Create this writer's part of ``version`` (its entries at their rows; ``parent``:
+        the version its deltas apply to); the request counts in ``upload_s``."""
         part = Part(
             part_format=1,
             version=version,
@@ -242,9 +252,7 @@ class ShardWriter(ChainWriter):
             part_key(version, self.rank, self.world), part.model_dump_json(indent=1).encode()
         )
         pending.upload_s += time.perf_counter() - t0
-        kept = {} if parent is not None else {n: w.copy() for n, w in host.items()}
-        self._inflight = _Inflight(part, pending, kept)
-        return self._report(version, kind, parent, host, pending, t_start)
+        return part
 
     def finish(self, version: int, *, timeout_s: float = 60.0, poll_s: float = 0.05) -> Manifest:
         """Wait until ``version`` is committed, then hold it; returns its manifest.
@@ -311,21 +319,7 @@ class ShardWriter(ChainWriter):
             copies=False,
             auto_anchor=False,
         )
-        part = Part(
-            part_format=1,
-            version=version,
-            rank=self.rank,
-            world=self.world,
-            token=self.token,
-            library=f"deltastore {__version__}",
-            parent=prep.parent,
-            tensors={n: _part_tensor(e, rows[n]) for n, e in prep.pending.entries.items()},
-        )
-        t0 = time.perf_counter()
-        self.store.put_if_absent(
-            part_key(version, self.rank, self.world), part.model_dump_json(indent=1).encode()
-        )
-        prep.pending.upload_s += time.perf_counter() - t0
+        part = self._write_part(version, prep.parent, prep.pending, rows)
         self._inflight = _Inflight(part, prep.pending, {}, prep)
         report = self._report(version, prep.kind, prep.parent, {}, prep.pending, t_start)
         numel, dense = prep.sizes
