@@ -195,8 +195,6 @@ class ChainWriter:
             snapshot = "memory"  # holds the words of snapshot tensors only
             if max_frame_bytes == DEFAULT_MAX_FRAME_BYTES:  # a frame's entries are held whole
                 max_frame_bytes = SNAPSHOT_FREE_FRAME_BYTES
-        if anchor_policy is not None and self._shard is not None:
-            raise ValueError("anchor_policy is a Publisher option; shard writers write no copies")
         self._policy = AnchorPolicy.parse(anchor_policy)
         self._costs = AnchorCosts()
         if snapshot not in ("memory", "disk") or (snapshot == "disk") != (state_dir is not None):
@@ -246,6 +244,25 @@ class ChainWriter:
             (fa, (b - a) * size) for fa, (a, b) in zip(frames, bounds, strict=True)
         )
         return TensorSums(frames, total)
+
+    def _copy_reason(self) -> str | None:
+        """Why the next delta gets an anchor copy, by the anchor policy (None: it does not).
+        A publisher that does not know the newest anchor yet (attached, or restarted from a
+        disk snapshot) reads it from the store first: the manifests from its version back
+        to the newest anchor copy or anchor (once)."""
+        if self._costs.anchor is None and self._held.version is not None:
+            self._costs = chain_costs(ChainReader(self._io), self._held.version)
+        return self._costs.reason(self._policy, self._costs.last_delta)
+
+    def _account(self, manifest: Manifest, stored: int, copy: Manifest | None) -> None:
+        """The anchor policy's account of the committed ``manifest`` (``stored``: what a reader
+        fetches for it, frames and manifest) and of its anchor copy, when one was written."""
+        if manifest.kind == "anchor":
+            self._costs.anchored(manifest.version, stored)
+        elif copy is not None:
+            self._costs.anchored(manifest.version, stored_bytes(copy), last_delta=stored)
+        else:
+            self._costs.delta(stored)
 
     # --- attach -------------------------------------------------------------------------
 
@@ -525,15 +542,6 @@ class Publisher(ChainWriter):
     :attr:`PublishReport.anchor_reason` says why).
     """
 
-    def _copy_reason(self) -> str | None:
-        """Why the next delta gets an anchor copy, by the anchor policy (None: it does not).
-        A publisher that does not know the newest anchor yet (attached, or restarted from a
-        disk snapshot) reads it from the store first: the manifests from its version back
-        to the newest anchor copy or anchor (once)."""
-        if self._costs.anchor is None and self._held.version is not None:
-            self._costs = chain_costs(ChainReader(self._io), self._held.version)
-        return self._costs.reason(self._policy, self._costs.last_delta)
-
     def attach(self, tensors: Tensors, *, version: int | None = None) -> int:
         """Continue the chain of an existing store from ``tensors`` at ``version``.
 
@@ -633,7 +641,7 @@ class Publisher(ChainWriter):
         committed = self._commit(version, kind, parent, pending, enforced)
         copy = committed.copy
         self._adopt(committed.manifest, host, pending, incremental=parent is not None)
-        self._account(version, kind, committed)
+        self._account(committed.manifest, stored_size(committed), copy)
         report = self._report(
             version,
             kind,
@@ -672,18 +680,6 @@ class Publisher(ChainWriter):
         pending.upload_s += time.perf_counter() - t0
         return committed
 
-    def _account(self, version: int, kind: str, committed: Committed) -> None:
-        """The anchor policy's account of a committed version: what a reader fetches (frames
-        and manifest), and its anchor copy's stored bytes when one was written."""
-        manifest, copy = committed.manifest, committed.copy
-        stored = manifest.payload_bytes + len(committed.body)
-        if kind == "anchor":
-            self._costs.anchored(version, stored)
-        elif copy is not None:
-            self._costs.anchored(version, stored_bytes(copy), last_delta=stored)
-        else:
-            self._costs.delta(stored)
-
     def _publish_snapshot_free(
         self,
         tensors: Tensors,
@@ -709,7 +705,7 @@ class Publisher(ChainWriter):
         committed = self._commit(version, prep.kind, prep.parent, prep.pending, enforced)
         copy = committed.copy
         prep.adopt(self, sf, committed.manifest)
-        self._account(version, prep.kind, committed)
+        self._account(committed.manifest, stored_size(committed), copy)
         reason = prep.reason if prep.kind == "anchor" or copy is not None else None
         report = self._report(
             version,
@@ -727,6 +723,11 @@ class Publisher(ChainWriter):
                 report, total_elements=numel, dense_bytes=dense, snapshot_free=prep.stats
             )
         )
+
+
+def stored_size(committed: Committed) -> int:
+    """What a reader fetches for a committed version: its frames and its manifest's bytes."""
+    return committed.manifest.payload_bytes + len(committed.body)
 
 
 def _logged(report: PublishReport) -> PublishReport:

@@ -112,7 +112,7 @@ def prepare(
     kind: Literal["anchor", "delta"] = "delta" if delta else "anchor"
     parent = w._parent() if delta else None
     if delta:
-        reason = w._copy_reason() if copies and hasattr(w, "_copy_reason") else None
+        reason = w._copy_reason() if copies else None
     else:
         reason = (
             "forced"
