@@ -439,13 +439,13 @@ class ChainWriter:
                     frames=frames,
                 )
                 if pending.copy_entries is not None:
-                    numel = math.prod(specs[name][1])
+                    # every element of these words (a shard writer's: its rows only)
                     pending.copy_entries[name] = TensorEntry(
                         dtype=specs[name][0],
                         shape=specs[name][1],
                         adler32=total_adler,
                         parent_adler32=None,
-                        changed=numel,
+                        changed=words.size,
                         frames=copy_frames,
                     )
         packs.flush()
