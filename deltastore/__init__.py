@@ -3,8 +3,9 @@
 Public API, what the guide's and the README's examples import from ``deltastore``:
 :class:`Publisher`, :class:`Subscriber` and their reports, :func:`open_store`, the
 :class:`Store` interface and :class:`LocalStore`, layouts (:class:`Layout`, ``replicate``,
-``shard``, ``fuse``, ``stack``), the sharded writers (:class:`ShardWriter`, :class:`RowSlice`,
-:func:`commit_parts`), :class:`SigningKey`, :class:`Manifest`, and every error of
+``shard``, ``fuse``, ``stack``), the sharded writers (:class:`ModuleWriter` and its
+:class:`ResumeReport`, :class:`ShardWriter`, :class:`RowSlice`, :func:`commit_parts`),
+:class:`SigningKey`, :class:`Manifest`, and every error of
 :mod:`deltastore.errors` (the list is that module's ``__all__``). Everything else stays in its
 sub-package: checkpoint folders in :mod:`deltastore.checkpoint`, ``verify_store`` and the
 other upkeep in :mod:`deltastore.maintenance`, the vLLM presets in :mod:`deltastore.layout`,
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from deltastore.layout.boxes import replicate as replicate
     from deltastore.layout.boxes import shard as shard
     from deltastore.layout.boxes import stack as stack
+    from deltastore.publish.module_writer import ModuleWriter as ModuleWriter
+    from deltastore.publish.module_writer import ResumeReport as ResumeReport
     from deltastore.publish.publisher import Publisher as Publisher
     from deltastore.publish.publisher import PublishReport as PublishReport
     from deltastore.publish.sharded import RowSlice as RowSlice
@@ -56,6 +59,8 @@ _EXPORTS: dict[str, str] = {
     "replicate": "deltastore.layout.boxes",
     "shard": "deltastore.layout.boxes",
     "stack": "deltastore.layout.boxes",
+    "ModuleWriter": "deltastore.publish.module_writer",
+    "ResumeReport": "deltastore.publish.module_writer",
     "Publisher": "deltastore.publish.publisher",
     "PublishReport": "deltastore.publish.publisher",
     "RowSlice": "deltastore.publish.sharded",

@@ -184,6 +184,12 @@ class VersionNotCommittedError(DeltastoreError, TimeoutError):
     in time, or the version was aborted. Nothing was committed; publish a higher version."""
 
 
+class SupersededRunError(VersionNotCommittedError):
+    """The parts of a version belong to a run of sharded writers that a newer run replaced
+    (it registered after them, e.g. by ``ModuleWriter.resume()`` after a restart): they are
+    never committed. Stop the old run's processes; the new run publishes from now on."""
+
+
 # --- engines -----------------------------------------------------------------------------
 
 
@@ -214,6 +220,7 @@ __all__ = [
     "SignatureError",
     "StoreError",
     "StoreFullError",
+    "SupersededRunError",
     "TableChangedError",
     "TensorMismatchError",
     "TransientError",

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from deltastore._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from deltastore.publish.module_writer import ModuleWriter, ResumeReport
     from deltastore.publish.publisher import (
         Publisher,
         PublishReport,
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from deltastore.publish.snapfree import SnapshotFreeStats
 
 _EXPORTS = {
+    "ModuleWriter": "deltastore.publish.module_writer",
+    "ResumeReport": "deltastore.publish.module_writer",
     "Part": "deltastore.publish.sharded",
     "PartTensor": "deltastore.publish.sharded",
     "PublishReport": "deltastore.publish.publisher",
@@ -40,10 +43,12 @@ _EXPORTS = {
     "parts_prefix": "deltastore.publish.sharded",
 }
 __all__ = [
+    "ModuleWriter",
     "Part",
     "PartTensor",
     "PublishReport",
     "Publisher",
+    "ResumeReport",
     "RowSlice",
     "ShardWriter",
     "SnapshotFreeStats",

@@ -6,7 +6,6 @@ part models, :func:`commit_parts` and its checks. Functions are stateless.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -23,7 +22,6 @@ from deltastore.errors import (
     DeltastoreError,
     ManifestError,
     ManifestNotFoundError,
-    ObjectNotFoundError,
     VersionExistsError,
     VersionNotCommittedError,
     VersionOrderError,
@@ -56,27 +54,25 @@ from deltastore.publish.commit import (
     conditional_writes,
     head_version,
 )
+from deltastore.publish.runs import (
+    RUN_ID,
+    abandon_parts,
+    abort_key,
+    abort_reason,
+    check_run,
+    check_run_id,
+    current_run,
+    part_key,
+    parts_prefix,
+    register_run,
+    write_abort,
+)
 from deltastore.publish.snapshot import row_range
 from deltastore.store import Store, open_store
 
 log = logging.getLogger("deltastore.publish.sharded")
 
 Rows = tuple[int, int]
-
-
-def parts_prefix(version: int) -> str:
-    """Key prefix of the parts of ``version``."""
-    return f"{data_prefix(version)}parts/"
-
-
-def part_key(version: int, rank: int, world: int) -> str:
-    """Key of the part of writer ``rank`` of ``world`` for ``version``."""
-    return f"{parts_prefix(version)}{rank:06d}-of-{world:06d}.json"
-
-
-def abort_key(version: int) -> str:
-    """Key of the marker :func:`commit_parts` writes when it gives ``version`` up."""
-    return f"{parts_prefix(version)}abort.json"
 
 
 # --- parts -------------------------------------------------------------------------------
@@ -135,14 +131,34 @@ class Part(_Strict):
     library: Annotated[str, Field(max_length=64)]
     parent: Parent | None
     tensors: dict[Annotated[str, Field(pattern=NAME_PATTERN)], PartTensor]
+    #: The run of the writers (None: a writer without one).
+    run: Annotated[str, Field(pattern=RUN_ID.pattern)] | None = None
+    #: The writer's slices of the version's anchor copy (None: no copy), at the rows of
+    #: ``tensors``; frames of new words.
+    anchor_copy: dict[Annotated[str, Field(pattern=NAME_PATTERN)], PartTensor] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> Part:
+        if self.anchor_copy is not None:
+            if self.parent is None or set(self.anchor_copy) != set(self.tensors):
+                raise ValueError("an anchor copy is of a delta, with a slice per tensor")
+            for name, c in self.anchor_copy.items():
+                t = self.tensors[name]
+                if (c.dtype, c.shape, c.row_start, c.row_stop) != (
+                    t.dtype,
+                    t.shape,
+                    t.row_start,
+                    t.row_stop,
+                ) or not _anchor_slice(c):
+                    raise ValueError(f"{name}: the copy's slice is not an anchor slice of it")
         if self.rank >= self.world:
             raise ValueError(f"rank {self.rank} is not below world {self.world}")
         if self.parent is not None and self.parent.version >= self.version:
             raise ValueError(f"parent version {self.parent.version} is not below {self.version}")
         prefix = data_prefix(self.version)
+        copies = list((self.anchor_copy or {}).items())
+        if any(not f.object.startswith(prefix) for _, c in copies for f in c.frames):
+            raise ValueError(f"the copy's frames must be stored under {prefix}")
         for name, t in self.tensors.items():
             if any(not f.object.startswith(prefix) for f in t.frames):
                 raise ValueError(f"{name}: frames must be stored under {prefix}")
@@ -174,27 +190,18 @@ def parse_part(data: bytes, *, key: str = "part") -> Part:
         raise ManifestError(f"{key} is malformed: {validation_summary(exc)}") from None
 
 
-def _abort_reason(store: Store, version: int) -> str | None:
-    try:
-        data = store.get(abort_key(version))
-    except ObjectNotFoundError:
-        return None
-    try:
-        return str(json.loads(data)["reason"])
-    except (ValueError, KeyError, TypeError):
-        return "(unreadable abort marker)"
-
-
-def wait_committed(store: Store, version: int, timeout_s: float, poll_s: float) -> Manifest:
+def wait_committed(
+    store: Store, version: int, timeout_s: float, poll_s: float, run: str | None = None
+) -> Manifest:
     """The manifest of ``version`` once it exists; :class:`VersionNotCommittedError` when the
-    version is aborted or ``timeout_s`` passes first."""
+    version (of ``run``) is aborted or ``timeout_s`` passes first."""
     reader, deadline = ChainReader(store), time.monotonic() + timeout_s
     while True:
         try:
             return reader.manifest(version)
         except ManifestNotFoundError:
             pass
-        reason = _abort_reason(store, version)
+        reason = abort_reason(store, version, run)
         if reason is not None:
             raise VersionNotCommittedError(f"version {version} was aborted: {reason}")
         if time.monotonic() >= deadline:
@@ -213,42 +220,48 @@ def commit_parts(
     *,
     version: int,
     world: int,
+    run: str | None = None,
     timeout_s: float = 60.0,
     poll_s: float = 0.05,
     storage_options: dict[str, Any] | None = None,
     signing_key: KeyOption = FROM_ENV,
     unsafe_commits: bool = False,
 ) -> Manifest:
-    """Commit ``version`` from the parts of writers ``0 .. world - 1``; returns its manifest.
+    """Commit ``version`` from the parts of writers ``0 .. world - 1`` of run ``run`` (None:
+    writers without a run); returns its manifest.
 
     Waits (polling every ``poll_s`` seconds, at most ``timeout_s``) until every part exists,
-    checks them, commits the manifest (create-if-absent), advances ``LATEST`` and deletes the
-    parts. Run it in one process per version (any one: a writer's, or another). If anything
-    fails before the commit, the version is aborted (see the module docstring), nothing is
-    committed and the error is raised: :class:`VersionNotCommittedError` (a part missing at
-    the timeout, or the version already aborted), :class:`ManifestError` (a malformed part;
-    slices that overlap, leave rows without a writer, or disagree on a tensor's dtype or
-    shape; a delta whose tensors are not its parent's), :class:`ChainError` (writers name
-    different parents, or the parent is not the store's newest version),
-    :class:`WrongParentError` (the parent's digest or a tensor's Adler-32 is not what the
-    writers' snapshots started from), :class:`VersionOrderError`. :class:`VersionExistsError`
-    when ``version`` is committed already (nothing is aborted then). ``signing_key`` signs
-    the manifest (default: ``DELTASTORE_SIGNING_KEY`` if set; None: unsigned).
-    ``unsafe_commits``: commit on a store whose service ignores preconditions (refused with
+    checks them, commits the manifest (create-if-absent), advances ``LATEST``, writes the
+    version's anchor copy when every part carries its slice of one, and deletes the parts. Run
+    it in one process per version (any one: a writer's, or another). If anything fails before
+    the commit, the version (of this run) is aborted (see :mod:`deltastore.publish.runs`),
+    nothing is committed and the error is raised: :class:`SupersededRunError` (a newer run of
+    writers registered: this run's parts are never committed), :class:`VersionNotCommittedError`
+    (a part missing at the timeout, or the version of this run aborted or abandoned),
+    :class:`ManifestError` (a malformed part or one of another run; slices that overlap, leave
+    rows without a writer, or disagree on a tensor's dtype or shape; a delta whose tensors are
+    not its parent's), :class:`ChainError` (writers name different parents, or the parent is
+    not the store's newest version), :class:`WrongParentError` (the parent's digest or a
+    tensor's Adler-32 is not what the writers' snapshots started from),
+    :class:`VersionOrderError`. :class:`VersionExistsError` when ``version`` is committed
+    already (nothing is aborted then). ``signing_key`` signs the manifest and its copy
+    (default: ``DELTASTORE_SIGNING_KEY`` if set; None: unsigned). ``unsafe_commits``: commit on
+    a store whose service ignores preconditions (refused with
     :class:`PreconditionsIgnoredError` otherwise; one committer only): the manifest is read
     back and :class:`ForkError` raised when it is not this commit's.
     """
     check_version_number(version)
+    check_run_id(run)
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive integer, got {world!r}")
     keys = resolve_keys(signing_key)
     store = open_store(url, storage_options)
     enforced = conditional_writes(store, unsafe_commits=unsafe_commits)
-    _check_open(store, version)
-    abort = partial(_abort, store, version)
+    _check_open(store, version, run)
+    abort = partial(_abort, store, version, run)
     try:
-        parts = _wait_for_parts(store, version, world, timeout_s, poll_s)
-        parent, entries = _join_parts(parts)
+        parts = _wait_for_parts(store, version, world, timeout_s, poll_s, run)
+        parent, entries, copy = _join_parts(parts)
         if parent is not None:
             _check_parent(store, version, parent, entries)
     except VersionExistsError:
@@ -269,46 +282,62 @@ def commit_parts(
         token=parts[0].token,
         signing_key=keys[0] if keys else None,
         enforced=enforced,
-        check=partial(_check_open, store, version),
+        check=partial(_check_open, store, version, run),
+        copy_entries=copy,
         abort=abort,
     ).manifest
     for rank in range(world):
         try:
-            store.delete(part_key(version, rank, world))
+            store.delete(part_key(version, rank, world, run))
         except DeltastoreError as exc:  # garbage that does no harm
             log.debug("part %d of version %d not deleted: %s", rank, version, exc)
-    log.info("committed v%d (%s) from %d writers", version, manifest.kind, world)
+    log.info(
+        "committed v%d (%s%s) from %d writers",
+        version,
+        manifest.kind,
+        ", with an anchor copy" if copy is not None else "",
+        world,
+    )
     return manifest
 
 
-def _check_open(store: Store, version: int) -> None:
-    """Raise unless ``version`` can still be committed."""
+def _check_open(store: Store, version: int, run: str | None) -> None:
+    """Raise unless ``version`` can still be committed by run ``run``."""
     if store.exists(manifest_key(version)):
         raise VersionExistsError(f"version {version} is already committed in store {store.url}")
     head = head_version(store)
     if head is not None and version <= head:
         raise VersionOrderError(f"version {version} is not above the store's newest version {head}")
-    reason = _abort_reason(store, version)
+    _check_not_aborted(store, version, run)
+    check_run(store, run)
+
+
+def _check_not_aborted(store: Store, version: int, run: str | None) -> None:
+    reason = abort_reason(store, version, run)
     if reason is not None:
-        raise VersionNotCommittedError(f"version {version} was aborted: {reason}")
+        of = f" of run {run}" if run is not None else ""
+        raise VersionNotCommittedError(
+            f"version {version}{of} was aborted, it is never committed: {reason}"
+        )
 
 
-def _abort(store: Store, version: int, error: Exception) -> None:
+def _abort(store: Store, version: int, run: str | None, error: Exception) -> None:
     """Mark ``version`` as given up, so that writers waiting in finish() stop (best effort)."""
-    body = json.dumps({"version": version, "reason": f"{type(error).__name__}: {error}"})
-    try:
-        store.put_if_absent(abort_key(version), body.encode())
-    except DeltastoreError as exc:  # already aborted, or the store fails: writers time out
-        log.debug("abort marker of version %d not written: %s", version, exc)
+    write_abort(store, version, run, f"{type(error).__name__}: {error}")
+
+
+#: Polls of the parts between two reads of the abort marker.
+_ABORT_EVERY = 20
 
 
 def _wait_for_parts(
-    store: Store, version: int, world: int, timeout_s: float, poll_s: float
+    store: Store, version: int, world: int, timeout_s: float, poll_s: float, run: str | None
 ) -> list[Part]:
-    keys = [part_key(version, rank, world) for rank in range(world)]
+    keys = [part_key(version, rank, world, run) for rank in range(world)]
     deadline = time.monotonic() + timeout_s
+    polls = 0
     while True:
-        present = set(store.list(parts_prefix(version)))
+        present = set(store.list(parts_prefix(version, run)))
         missing = [rank for rank, key in enumerate(keys) if key not in present]
         if not missing:
             break
@@ -319,12 +348,16 @@ def _wait_for_parts(
                 f"{shown}) after {timeout_s} s; the version is aborted, nothing was committed: "
                 "publish a higher version from every writer"
             )
+        polls += 1
+        if polls % _ABORT_EVERY == 0:  # a writer that failed gave the version up
+            _check_not_aborted(store, version, run)
         time.sleep(poll_s)
     parts = [parse_part(store.get(key), key=key) for key in keys]
     for rank, (key, part) in enumerate(zip(keys, parts, strict=True)):
-        if (part.version, part.rank, part.world) != (version, rank, world):
+        if (part.version, part.rank, part.world, part.run) != (version, rank, world, run):
             raise ManifestError(
-                f"{key} is the part of rank {part.rank} of {part.world} for version {part.version}"
+                f"{key} is the part of rank {part.rank} of {part.world} for version "
+                f"{part.version} of run {part.run}"
             )
     return parts
 
@@ -335,8 +368,11 @@ def _describe(parent: Parent | None) -> str:
     return f"version {parent.version} (state digest {parent.state_digest[:12]})"
 
 
-def _join_parts(parts: list[Part]) -> tuple[Parent | None, dict[str, TensorEntry]]:
-    """The parent all parts name and the tensor entries their slices make."""
+def _join_parts(
+    parts: list[Part],
+) -> tuple[Parent | None, dict[str, TensorEntry], dict[str, TensorEntry] | None]:
+    """The parent all parts name, the tensor entries their slices make, and those of the
+    anchor copy when every part carries its slices of one (None otherwise)."""
     parent = parts[0].parent
     odd = [p.rank for p in parts if p.parent != parent]
     if odd:
@@ -345,11 +381,30 @@ def _join_parts(parts: list[Part]) -> tuple[Parent | None, dict[str, TensorEntry
             f"{_describe(parts[odd[0]].parent)} ({len(odd)} ranks differ from rank 0); attach() "
             "the writers to the newest version, or publish an anchor from every writer"
         )
+    entries = _join_tensors([(p.rank, p.tensors) for p in parts])
+    with_copy = [p for p in parts if p.anchor_copy is not None]
+    if with_copy and len(with_copy) != len(parts):
+        log.warning(
+            "version %d: %d of %d writers sent an anchor copy (their anchor policies or chain "
+            "accounts differ); the version is committed without one",
+            parts[0].version,
+            len(with_copy),
+            len(parts),
+        )
+    if parent is None or len(with_copy) != len(parts):
+        return parent, entries, None
+    return parent, entries, _join_tensors([(p.rank, p.anchor_copy or {}) for p in parts])
+
+
+def _join_tensors(
+    parts: list[tuple[int, Mapping[str, PartTensor]]],
+) -> dict[str, TensorEntry]:
+    """The tensor entries that the slices of the writers (rank, slices) make."""
     slices: dict[str, list[tuple[int, PartTensor]]] = {}
-    for p in parts:
-        for name, t in p.tensors.items():
-            slices.setdefault(name, []).append((p.rank, t))
-    return parent, {name: _join_slices(name, s) for name, s in slices.items()}
+    for rank, tensors in parts:
+        for name, t in tensors.items():
+            slices.setdefault(name, []).append((rank, t))
+    return {name: _join_slices(name, s) for name, s in slices.items()}
 
 
 def _join_slices(name: str, slices: list[tuple[int, PartTensor]]) -> TensorEntry:
@@ -429,3 +484,18 @@ def _check_parent(
             f" did not start from version {head} (their parent Adler-32 does not add up to the "
             "parent's): a writer's snapshot is out of date; attach() it or publish an anchor"
         )
+
+
+__all__ = [
+    "Part",
+    "PartTensor",
+    "abandon_parts",
+    "abort_key",
+    "commit_parts",
+    "current_run",
+    "parse_part",
+    "part_key",
+    "parts_prefix",
+    "register_run",
+    "wait_committed",
+]

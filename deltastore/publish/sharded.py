@@ -36,31 +36,27 @@ import torch
 from deltastore._version import __version__
 from deltastore.errors import (
     ChainError,
+    ManifestError,
     ObjectNotFoundError,
     TensorMismatchError,
     VersionExistsError,
 )
 from deltastore.format.checksum import adler32, combine_frames
-from deltastore.format.keys import manifest_key
+from deltastore.format.keys import anchor_key, manifest_key
 from deltastore.format.manifest import Frame, Manifest, Parent, TensorEntry, parse_manifest
 from deltastore.progress import ProgressFn
-from deltastore.publish.commit import conditional_writes
-from deltastore.publish.parts import (
-    Part,
-    PartTensor,
-    abort_key,
-    commit_parts,
-    parse_part,
-    part_key,
-    parts_prefix,
-    wait_committed,
-)
+from deltastore.publish.commit import conditional_writes, stored_bytes
+from deltastore.publish.parts import Part, PartTensor, commit_parts, parse_part, wait_committed
 from deltastore.publish.publisher import ChainWriter, Pending, PublishReport, table_entry
+from deltastore.publish.runs import abort_key, check_run_id, part_key, parts_prefix
 from deltastore.publish.snapshot import TensorSums, row_range
 from deltastore.store import Store
 from deltastore.tensors.dtypes import np_words
 
 if TYPE_CHECKING:
+    from torch import nn
+
+    from deltastore.publish.module_writer import ModuleWriter
     from deltastore.publish.snapfree_prepare import Prepared
     from deltastore.publish.snapfree_writer import Item, SnapshotFree
 
@@ -160,22 +156,47 @@ class ShardWriter(ChainWriter):
 
     Keyword options are :class:`~deltastore.Publisher`'s (``storage_options``, ``snapshot``,
     ``state_dir``, ``max_frame_bytes``, ``max_object_bytes``, ``zstd_level``, ``codecs``,
-    ``unsafe_commits``: pass it to :func:`commit_parts` too); a disk snapshot
-    is adopted only by a writer of the same rank and world. Per version: :meth:`publish`, then
-    :func:`commit_parts` in one process, then :meth:`finish`. Not thread-safe.
+    ``anchor_policy``: every writer must use the same, ``unsafe_commits``: pass it to
+    :func:`commit_parts` too); a disk snapshot is adopted only by a writer of the same rank
+    and world. ``run``: the id of the writers' run (:mod:`deltastore.publish.runs`), the same
+    for every writer of the group; its parts are committed only by ``commit_parts(...,
+    run=run)`` while it is the store's current run (None: parts without a run, no fence).
+    Per version: :meth:`publish`, then :func:`commit_parts` in one process, then
+    :meth:`finish`. A delta gets an anchor copy by the anchor policy, as a
+    :class:`~deltastore.Publisher`'s does (the decision is a function of the committed chain,
+    so that every writer makes the same); each writer encodes its slices of it.
+    :meth:`for_module` builds the writers of a torch.distributed module. Not thread-safe.
     """
 
     def __init__(
-        self, url: str | os.PathLike[str] | Store, rank: int, world: int, **options: Any
+        self,
+        url: str | os.PathLike[str] | Store,
+        rank: int,
+        world: int,
+        *,
+        run: str | None = None,
+        **options: Any,
     ) -> None:
         if any(isinstance(x, bool) or not isinstance(x, int) for x in (rank, world)) or not (
             0 <= rank < world
         ):
             raise ValueError(f"need 0 <= rank < world, got rank {rank!r} of world {world!r}")
-        self.rank, self.world = rank, world
+        check_run_id(run)
+        self.rank, self.world, self.run = rank, world, run
         self._shard = (rank, world)
         self._inflight: _Inflight | None = None
         super().__init__(url, **options)
+
+    @classmethod
+    def for_module(
+        cls, url: str | os.PathLike[str] | Store, model: nn.Module, **options: Any
+    ) -> ModuleWriter:
+        """The writer of this rank for a torch.distributed (FSDP2, DTensor) ``model``: a
+        :class:`~deltastore.publish.module_writer.ModuleWriter` (collective: every rank
+        calls it; see there for ``options``)."""
+        from deltastore.publish.module_writer import ModuleWriter
+
+        return ModuleWriter(url, model, **options)
 
     def publish(
         self,
@@ -224,19 +245,24 @@ class ShardWriter(ChainWriter):
         parent_state = held if same and not anchor else None
         parent = self._parent() if parent_state is not None else None
         kind: Literal["anchor", "delta"] = "delta" if parent is not None else "anchor"
+        reason = self._copy_reason() if kind == "delta" else _anchor_reason(anchor, held)
         host = {n: np_words(s.tensor.detach().cpu().contiguous()) for n, s in slices.items()}
         self._inflight = None
-        pending = self._encode(version, host, specs, parent_state, kind, progress, rows)
+        full = kind == "delta" and reason is not None
+        pending = self._encode(version, host, specs, parent_state, kind, progress, rows, full=full)
         part = self._write_part(version, parent, pending, rows)
         kept = {} if parent is not None else {n: w.copy() for n, w in host.items()}
         self._inflight = _Inflight(part, pending, kept)
-        return self._report(version, kind, parent, host, pending, t_start)
+        return self._report(
+            version, kind, parent, host, pending, t_start, reason, _copy_bytes(pending)
+        )
 
     def _write_part(
         self, version: int, parent: Parent | None, pending: Pending, rows: Mapping[str, Rows]
     ) -> Part:
         """Create this writer's part of ``version`` (its entries at their rows; ``parent``:
         the version its deltas apply to); the request counts in ``upload_s``."""
+        copy = pending.copy_entries
         part = Part(
             part_format=1,
             version=version,
@@ -246,10 +272,15 @@ class ShardWriter(ChainWriter):
             library=f"deltastore {__version__}",
             parent=parent,
             tensors={n: _part_tensor(e, rows[n]) for n, e in pending.entries.items()},
+            run=self.run,
+            anchor_copy=None
+            if copy is None
+            else {n: _part_tensor(e, rows[n]) for n, e in copy.items()},
         )
         t0 = time.perf_counter()
         self.store.put_if_absent(
-            part_key(version, self.rank, self.world), part.model_dump_json(indent=1).encode()
+            part_key(version, self.rank, self.world, self.run),
+            part.model_dump_json(indent=1, exclude_none=False).encode(),
         )
         pending.upload_s += time.perf_counter() - t0
         return part
@@ -266,7 +297,7 @@ class ShardWriter(ChainWriter):
         inflight = self._inflight
         if inflight is None or inflight.part.version != version:
             raise ChainError(f"rank {self.rank} has no unfinished part of version {version}")
-        manifest = wait_committed(self.store, version, timeout_s, poll_s)
+        manifest = wait_committed(self.store, version, timeout_s, poll_s, self.run)
         self._inflight = None
         part = inflight.part
         if manifest.parent != part.parent or not all(
@@ -284,7 +315,18 @@ class ShardWriter(ChainWriter):
         else:
             incremental = part.parent is not None
             self._adopt(manifest, inflight.host, inflight.pending, incremental=incremental)
+        copy = self._read_copy(version) if part.anchor_copy is not None else None
+        self._account(manifest, stored_bytes(manifest), copy)
         return manifest
+
+    def _read_copy(self, version: int) -> Manifest | None:
+        """The anchor copy of ``version``, for the anchor account (None: it was not written,
+        or cannot be read; every writer reads the same)."""
+        try:
+            return parse_manifest(self._io.get(anchor_key(version)))
+        except (ObjectNotFoundError, ManifestError) as exc:
+            log.info("version %d has no readable anchor copy (%s)", version, exc)
+            return None
 
     def _publish_snapshot_free(
         self,
@@ -316,12 +358,20 @@ class ShardWriter(ChainWriter):
             anchor=anchor,
             progress=progress,
             rows=rows,
-            copies=False,
             auto_anchor=False,
         )
         part = self._write_part(version, prep.parent, prep.pending, rows)
         self._inflight = _Inflight(part, prep.pending, {}, prep)
-        report = self._report(version, prep.kind, prep.parent, {}, prep.pending, t_start)
+        report = self._report(
+            version,
+            prep.kind,
+            prep.parent,
+            {},
+            prep.pending,
+            t_start,
+            prep.reason,
+            _copy_bytes(prep.pending),
+        )
         numel, dense = prep.sizes
         return replace(report, total_elements=numel, dense_bytes=dense, snapshot_free=prep.stats)
 
@@ -416,6 +466,19 @@ def _items(sf: SnapshotFree, slices: Mapping[str, RowSlice]) -> dict[str, Item]:
         owners={n: s.param for n, s in slices.items()},
         shapes={n: s.global_shape for n, s in slices.items()},
     )
+
+
+def _anchor_reason(anchor: bool | None, held: object) -> str:
+    """Why a shard writer's version is an anchor."""
+    if anchor:
+        return "forced"
+    return "first version" if held is None else "the slices changed"
+
+
+def _copy_bytes(pending: Pending) -> int | None:
+    """Payload bytes of this writer's slices of the anchor copy (None: no copy)."""
+    copy = pending.copy_entries
+    return None if copy is None else sum(f.length for e in copy.values() for f in e.frames)
 
 
 def _words_adler(words: np.ndarray, start: int, stop: int) -> int:

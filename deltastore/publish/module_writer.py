@@ -1,0 +1,352 @@
+"""Publishing a torch.distributed module (FSDP2, HSDP, DTensor) from every rank in one call.
+
+:class:`ModuleWriter` reads the module's tensors on each rank, finds this rank's rows of each
+(from the DTensor's own placements and device mesh: no offset is computed by the user), and
+drives one :class:`~deltastore.publish.sharded.ShardWriter` per rank through the sharded
+protocol (:meth:`ModuleWriter.step`: publish, commit on one rank, finish on all). All ranks of
+the process group are writers of every version; a rank that owns no rows (an HSDP replica)
+writes an empty part. The group shares a *run* id (:mod:`deltastore.publish.runs`): after a
+restart, :meth:`ModuleWriter.resume` makes the new run the store's current one, so the crashed
+run's leftovers can never be committed.
+
+Which rank writes what, per tensor (the model's parameters, a tied one once under its first
+name, then its persistent buffers, by state_dict name):
+
+- a DTensor whose placements are ``Shard(0)`` or ``Replicate`` on every mesh dim (FSDP2's
+  ``Shard(0)``; HSDP's ``(Replicate(), Shard(0))``; nested dim-0 shards): its local rows, at
+  their global offset, written by the rank whose mesh coordinate is 0 on every ``Replicate``
+  dim (the other replicas skip it);
+- any other DTensor (a dim-1 or strided shard, a partial): gathered with ``full_tensor()``
+  (a collective on its mesh, so every rank takes part) and written whole by the rank whose
+  coordinate is 0 on every mesh dim;
+- a plain tensor: whole, by rank 0 of the group.
+
+Every method is collective (every rank of the group calls it, in the same order) except
+:meth:`commit`, which does something on the committer rank only. Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from deltastore.errors import ChainError, DeltastoreError, TensorMismatchError
+from deltastore.format.manifest import Manifest
+from deltastore.progress import ProgressFn
+from deltastore.publish.commit import head_version
+from deltastore.publish.parts import commit_parts
+from deltastore.publish.publisher import PublishReport
+from deltastore.publish.runs import abandon_parts, new_run_id, register_run, write_abort
+from deltastore.publish.sharded import RowSlice, ShardWriter
+from deltastore.store import Store
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed import ProcessGroup
+
+log = logging.getLogger("deltastore.publish.sharded")
+
+
+@dataclass(frozen=True)
+class ResumeReport:
+    """What :meth:`ModuleWriter.resume` found and decided."""
+
+    #: The store's newest committed version (None: an empty store).
+    head: int | None
+    #: What the next step publishes: a delta on ``head`` when every rank's slices match it,
+    #: else an anchor.
+    kind: Literal["anchor", "delta"]
+    #: Versions above ``head`` whose uncommitted parts (of earlier runs) were abandoned.
+    abandoned: tuple[int, ...]
+    #: Why the next step is an anchor (None: a delta).
+    reason: str | None
+
+
+class ModuleWriter:
+    """This rank's writer of a torch.distributed module (see the module docstring).
+
+    ``url``: the store; ``model``: the module (its parameters are read at every publish, so
+    FSDP2's resharding between steps is fine); ``group``: the process group of the writers
+    (default: the default group; ``torch.distributed`` must be initialized); ``dtype``: cast
+    floating tensors to it before they are published (e.g. ``torch.bfloat16`` for fp32 master
+    weights; with ``snapshot="none"`` the optimizer's float32 parameters are published as
+    bfloat16 in any case, so only None or ``torch.bfloat16`` is accepted there);
+    ``committer``: the group rank that commits each version; ``timeout_s`` and ``poll_s``: how
+    long :meth:`commit` waits for the parts and :meth:`finish` for the commit (seconds), and
+    how often they look; ``run``: the run id (default: a new one, made by the committer and
+    broadcast). Other keyword options go to :class:`~deltastore.publish.sharded.ShardWriter`
+    (``snapshot``, ``optimizer``, ``anchor_policy``, ``max_frame_bytes``, ``storage_options``,
+    ...). Collective: every rank constructs it; the committer registers the run as the
+    store's current one (older runs can no longer commit).
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str] | Store,
+        model: nn.Module,
+        *,
+        group: ProcessGroup | None = None,
+        dtype: torch.dtype | None = None,
+        committer: int = 0,
+        timeout_s: float = 300.0,
+        poll_s: float = 0.05,
+        run: str | None = None,
+        **options: Any,
+    ) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ModuleWriter needs torch.distributed: call init_process_group() first"
+            )
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        if not 0 <= committer < self.world:
+            raise ValueError(f"committer must be a rank of the group, got {committer!r}")
+        snapfree = options.get("snapshot") == "none"
+        if dtype is not None and (
+            not dtype.is_floating_point or (snapfree and dtype != torch.bfloat16)
+        ):
+            raise ValueError(
+                f"dtype must be a floating dtype (torch.bfloat16 with snapshot='none'), got {dtype}"
+            )
+        self.model, self.dtype, self.committer = model, dtype, committer
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.run: str = self._broadcast(run or (new_run_id() if self.rank == committer else None))
+        self.writer = ShardWriter(url, self.rank, self.world, run=self.run, **options)
+        self.store = self.writer.store
+        optimizer = options.get("optimizer")
+        self._optimized = (
+            {id(p) for g in optimizer.param_groups for p in g["params"]}
+            if optimizer is not None
+            else set()
+        )
+        self._anchor_next = False
+        if self.rank == committer:
+            register_run(self.store, self.run, self.world)
+        self._barrier()  # no rank publishes before the run is current
+
+    @property
+    def version(self) -> int | None:
+        """The version this rank holds (None before its first finished step or resume)."""
+        return self.writer.version
+
+    # --- collectives ----------------------------------------------------------------------
+
+    def _broadcast(self, value: Any) -> Any:
+        """``value`` of the committer rank, on every rank."""
+        import torch.distributed as dist
+
+        box = [value]
+        src = (
+            self.committer
+            if self.group is None
+            else dist.get_global_rank(self.group, self.committer)
+        )
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def _gather(self, value: Any) -> list[Any]:
+        """``value`` of every rank, in rank order."""
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def _barrier(self) -> None:
+        self._gather(None)
+
+    # --- tensors --------------------------------------------------------------------------
+
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The module's parameters (a tied one once), then its persistent buffers."""
+        yield from self.model.named_parameters()
+        for name, buf in self.model.named_buffers():
+            owner, _, leaf = name.rpartition(".")
+            module = self.model.get_submodule(owner) if owner else self.model
+            if leaf not in getattr(module, "_non_persistent_buffers_set", ()):
+                yield name, buf
+
+    def slices(self) -> dict[str, RowSlice]:
+        """This rank's slices of the module now, by tensor name (collective when a tensor has
+        to be gathered). Raises :class:`TensorMismatchError` for a DTensor whose mesh does not
+        include this rank."""
+        from torch.distributed.tensor import DTensor
+
+        out: dict[str, RowSlice] = {}
+        for name, t in self._tensors():
+            s = self._dtensor_slice(name, t) if isinstance(t, DTensor) else self._plain_slice(t)
+            if s is not None:
+                out[name] = self._cast(s)
+        return out
+
+    def _plain_slice(self, t: torch.Tensor) -> RowSlice | None:
+        return RowSlice(t.detach(), tuple(t.shape), 0, t) if self.rank == 0 else None
+
+    def _dtensor_slice(self, name: str, t: Any) -> RowSlice | None:
+        from torch.distributed.tensor import Replicate, Shard
+
+        placements = tuple(t.placements)
+        coordinate = t.device_mesh.get_coordinate()
+        if coordinate is None:
+            raise TensorMismatchError(
+                f"{name}: this rank is not in the device mesh of the DTensor; a ModuleWriter's "
+                "group must be the ranks of the module's mesh"
+            )
+        rows_ok = all(
+            (type(p) is Shard and p.dim == 0) or isinstance(p, Replicate) for p in placements
+        )
+        shape = tuple(t.shape)
+        if not rows_ok or not shape:
+            full = t.full_tensor().detach()  # collective on the mesh: every rank
+            return RowSlice(full, shape, 0, None) if not any(coordinate) else None
+        writer = all(
+            c == 0 for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Replicate)
+        )
+        if not writer:
+            return None
+        local = t.to_local().detach()
+        chunk = t.__create_chunk_list__()[0]
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if tuple(local.shape) != sizes or any(offsets[1:]):
+            raise TensorMismatchError(
+                f"{name}: the local chunk {sizes} at {offsets} of a {shape} DTensor is not a row "
+                f"range (placements {placements})"
+            )
+        return RowSlice(local, shape, offsets[0], t)
+
+    def _cast(self, s: RowSlice) -> RowSlice:
+        """``s`` in :attr:`dtype` (a parameter the optimizer steps keeps its own with
+        ``snapshot="none"``: the writer publishes its bfloat16 cast)."""
+        dtype, t = self.dtype, s.tensor
+        if dtype is None or not t.is_floating_point() or t.dtype == dtype:
+            return s
+        if s.param is not None and id(s.param) in self._optimized:
+            return s
+        return RowSlice(t.to(dtype), s.global_shape, s.row_start, None)
+
+    # --- versions -------------------------------------------------------------------------
+
+    def resume(self) -> ResumeReport:
+        """Continue the store's chain after a (re)start; collective, before the first step.
+
+        On the committer: the store's newest committed version, and an abort marker for every
+        uncommitted version above it that holds parts of another run (a late ``commit_parts``
+        of those is refused). Then every rank attaches its slices to that version (checked
+        against the Adler-32 of the frames that stored them). The next :meth:`step` is a delta
+        when every rank matched, else an anchor from every rank. Parts left behind are removed
+        by ``gc --orphans`` (see :func:`deltastore.maintenance.gc`)."""
+        info: tuple[int | None, list[int]] | str | None = None
+        if self.rank == self.committer:
+            try:
+                head = head_version(self.store)
+                given_up = abandon_parts(
+                    self.store,
+                    above=head,
+                    keep_run=self.run,
+                    reason="uncommitted parts of a crashed or stopped run, abandoned by "
+                    f"resume() of run {self.run}",
+                )
+                info = (head, [v for v, _ in given_up])
+            except DeltastoreError as exc:
+                info = f"{type(exc).__name__}: {exc}"
+                self._broadcast(info)
+                raise
+        info = self._broadcast(info)
+        if isinstance(info, str):
+            raise ChainError(f"resume() failed on the committer rank {self.committer}: {info}")
+        assert info is not None
+        head, abandoned = info
+        why: str | None = "the store holds no version" if head is None else None
+        if head is not None:
+            try:
+                self.writer.attach(self.slices(), version=head)
+            except (TensorMismatchError, ChainError) as exc:
+                why = f"rank {self.rank}: {exc}"
+        whys = [w for w in self._gather(why) if w is not None]
+        reason = whys[0] if whys else None
+        self._anchor_next = reason is not None
+        kind: Literal["anchor", "delta"] = "anchor" if reason is not None else "delta"
+        if reason is not None and head is not None:
+            log.warning("resume at version %d: the next version is an anchor (%s)", head, reason)
+        return ResumeReport(head, kind, tuple(sorted(set(abandoned))), reason)
+
+    def next_version(self) -> int:
+        """One above the version held, or above the store's newest version before the
+        first step (every rank reads the same between steps)."""
+        held = self.writer.version
+        if held is not None:
+            return held + 1
+        head = head_version(self.store)
+        return 1 if head is None else head + 1
+
+    def publish(
+        self,
+        version: int | None = None,
+        *,
+        anchor: bool | None = None,
+        progress: ProgressFn | None = None,
+    ) -> PublishReport:
+        """Upload this rank's part of ``version`` (default :meth:`next_version`); nothing is
+        committed. ``anchor`` as :meth:`ShardWriter.publish` (after a :meth:`resume` that
+        decided an anchor, the default is one). When it fails, this rank gives the version up
+        (an abort marker), so that :meth:`commit` and the other ranks' :meth:`finish` stop
+        at once instead of at their timeout."""
+        version = self.next_version() if version is None else version
+        if anchor is None and self._anchor_next:
+            anchor = True
+        try:
+            report = self.writer.publish(
+                self.slices(), version=version, anchor=anchor, progress=progress
+            )
+        except DeltastoreError as exc:
+            write_abort(
+                self.store, version, self.run, f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            )
+            raise
+        self._anchor_next = False
+        return report
+
+    def commit(self, version: int) -> Manifest | None:
+        """On the committer rank: :func:`commit_parts` of this run's ``version`` (its
+        manifest); None on the other ranks."""
+        if self.rank != self.committer:
+            return None
+        signing = self.writer._signing
+        return commit_parts(
+            self.store,
+            version=version,
+            world=self.world,
+            run=self.run,
+            timeout_s=self.timeout_s,
+            poll_s=self.poll_s,
+            signing_key=signing[0] if signing else None,
+            unsafe_commits=self.writer.unsafe_commits,
+        )
+
+    def finish(self, version: int) -> Manifest:
+        """Wait until ``version`` is committed, then hold it (:meth:`ShardWriter.finish`)."""
+        return self.writer.finish(version, timeout_s=self.timeout_s, poll_s=self.poll_s)
+
+    def step(
+        self,
+        version: int | None = None,
+        *,
+        anchor: bool | None = None,
+        progress: ProgressFn | None = None,
+    ) -> PublishReport:
+        """Publish, commit and finish ``version`` (default :meth:`next_version`) on every rank;
+        returns this rank's :class:`PublishReport` (its slices). Errors as the three calls'."""
+        report = self.publish(version, anchor=anchor, progress=progress)
+        self.commit(report.version)
+        self.finish(report.version)
+        return report
+
+
+__all__ = ["ModuleWriter", "ResumeReport"]
