@@ -271,7 +271,7 @@ class ModuleWriter:
                 why = f"rank {self.rank}: {exc}"
         whys = [w for w in self._gather(why) if w is not None]
         reason = whys[0] if whys else None
-        self._anchor_next = reason is not None
+        self._anchor_next = reason is not None and head is not None
         kind: Literal["anchor", "delta"] = "anchor" if reason is not None else "delta"
         if reason is not None and head is not None:
             log.warning("resume at version %d: the next version is an anchor (%s)", head, reason)

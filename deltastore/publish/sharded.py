@@ -47,6 +47,7 @@ from deltastore.format.manifest import Frame, Manifest, Parent, TensorEntry, par
 from deltastore.progress import ProgressFn
 from deltastore.publish.commit import conditional_writes, stored_bytes
 from deltastore.publish.parts import Part, PartTensor, commit_parts, parse_part, wait_committed
+from deltastore.publish.policy import AnchorCosts
 from deltastore.publish.publisher import ChainWriter, Pending, PublishReport, table_entry
 from deltastore.publish.runs import abort_key, check_run_id, part_key, parts_prefix
 from deltastore.publish.snapshot import TensorSums, row_range
@@ -315,9 +316,26 @@ class ShardWriter(ChainWriter):
         else:
             incremental = part.parent is not None
             self._adopt(manifest, inflight.host, inflight.pending, incremental=incremental)
-        copy = self._read_copy(version) if part.anchor_copy is not None else None
-        self._account(manifest, stored_bytes(manifest), copy)
+        if part.anchor_copy is None:
+            self._account(manifest, stored_bytes(manifest), None)
+        elif self._copy_done(version, timeout_s, poll_s):
+            self._account(manifest, stored_bytes(manifest), self._read_copy(version))
+        else:  # unknown: the account is read from the store before the next decision
+            self._costs = AnchorCosts()
         return manifest
+
+    def _copy_done(self, version: int, timeout_s: float, poll_s: float) -> bool:
+        """Whether :func:`commit_parts` is past the anchor copy of ``version``: it deletes
+        the parts after writing the copy (success or not), so this writer waits for its own
+        part to go, at most ``timeout_s`` (every writer then reads the same copy, or none)."""
+        key, deadline = part_key(version, self.rank, self.world, self.run), time.monotonic()
+        deadline += timeout_s
+        while self._io.exists(key):
+            if time.monotonic() >= deadline:
+                log.info("part of version %d still there after %g s", version, timeout_s)
+                return False
+            time.sleep(poll_s)
+        return True
 
     def _read_copy(self, version: int) -> Manifest | None:
         """The anchor copy of ``version``, for the anchor account (None: it was not written,
