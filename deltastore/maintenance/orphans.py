@@ -20,6 +20,12 @@ too):
 - on a store that does not (S3, GCS, Azure through the :class:`Store` interface): every
   orphan not under the folder of a version at or below the newest committed one.
 
+Except, on every store and whatever their age or version: the parts of a sharded writers' run
+that can never be committed (that run gave the version up or a restart abandoned it: its
+``abort.json``; or a newer run superseded it, :mod:`deltastore.publish.runs`) and the data
+objects those parts name are removed; the abort marker stays while its version is above the
+newest committed one.
+
 The remaining window: a publisher writing version ``v`` checks the chain head right before
 its manifest create and gives up when a newer version exists. Only if another publisher
 commits past ``v`` *and* a gc (on a store without ages, or with ``min_age_s`` shorter than
@@ -42,12 +48,15 @@ from deltastore.catalog.chain import ChainReader, Damaged
 from deltastore.errors import ManifestError, ObjectNotFoundError, StoreError
 from deltastore.format.keys import DATA_PREFIX, MANIFEST_PREFIX
 from deltastore.maintenance.retention import DEFAULT_LEASE_GRACE_S, RetentionReport, retain
+from deltastore.publish.parts import parse_part
+from deltastore.publish.runs import PART_KEY, abort_key, current_run
 from deltastore.store import LocalStore, Store, open_store
 
 #: Orphans younger than this many seconds are kept by default: a publish may be writing them.
 DEFAULT_MIN_AGE_S = 3600.0
 
 _VERSION_FOLDER = re.compile(r"versions/([0-9]{20})/")
+_RUN_ABORT = re.compile(r"^versions/([0-9]{20})/parts/([0-9a-f]{32})/abort\.json$")
 _TEMP_PREFIX = ".tmp-"
 
 
@@ -185,6 +194,7 @@ def _scan(store: Store, min_age_s: float) -> _Scan:
     # Versions committed while the objects were listed reference some of them: read again.
     _read_manifests(reader, versions, referenced)
     newest = max(versions, default=None)
+    dead = _dead_run_keys(store, keys, newest)
     now = time.time()
     found: list[Orphan] = []
     for key, temporary in [(k, False) for k in keys if k not in referenced] + temps:
@@ -197,10 +207,47 @@ def _scan(store: Store, min_age_s: float) -> _Scan:
             size, age = st.st_size, max(0.0, now - st.st_mtime)
         match = _VERSION_FOLDER.match(key)
         version = int(match.group(1)) if match else None
-        kept = _kept(version, age, newest, min_age_s)
+        kept = None if key in dead else _kept(version, age, newest, min_age_s)
         found.append(Orphan(key, version, temporary, size, age, kept))
     found.sort(key=lambda o: o.key)
     return _Scan(newest, len(versions), len(referenced), found)
+
+
+def _dead_run_keys(store: Store, keys: list[str], newest: int | None) -> set[str]:
+    """Keys that can never be part of a commit, whatever their age and version: the parts of
+    sharded writers' runs that were aborted or abandoned for a version (its ``abort.json``) or
+    superseded by a newer run (:mod:`deltastore.publish.runs`), and the data objects those
+    parts name. An abort marker itself stays while its version is above ``newest`` (it is what
+    refuses a late commit with a clear error)."""
+    present = set(keys)
+    folders: dict[tuple[int, str], list[str]] = {}
+    for key in keys:
+        m = PART_KEY.match(key)
+        if m is not None and m.group(2) is not None:
+            folders.setdefault((int(m.group(1)), m.group(2)), []).append(key)
+    for key in keys:
+        m = _RUN_ABORT.match(key)
+        if m is not None:
+            folders.setdefault((int(m.group(1)), m.group(2)), [])
+    if not folders:
+        return set()
+    current = current_run(store)
+    dead: set[str] = set()
+    for (version, run), parts in folders.items():
+        marker = abort_key(version, run)
+        if marker not in present and (current is None or run == current):
+            continue  # a live run's parts: the age rules apply
+        if marker in present and newest is not None and version <= newest:
+            dead.add(marker)
+        for key in parts:
+            dead.add(key)
+            try:
+                part = parse_part(store.get(key), key=key)
+            except (ObjectNotFoundError, ManifestError):
+                continue  # gone meanwhile, or unreadable: the part key goes, its objects age
+            tensors = [*part.tensors.values(), *(part.anchor_copy or {}).values()]
+            dead.update(f.object for t in tensors for f in t.frames)
+    return dead
 
 
 def _read_manifests(reader: ChainReader, versions: set[int], referenced: set[str]) -> None:
