@@ -303,19 +303,22 @@ def publish_loop(
     first_step: int = 0,
     cast: Callable[[str, torch.Tensor], torch.dtype] | None = None,
     seed: int = 0,
+    explicit: bool = False,
 ) -> dict[str, Any]:
     """Publish the model as it is, then ``steps`` times train one step and publish, each with
-    ``writer.step()``; after each version a Subscriber on rank 0 syncs it and compares it
-    with :func:`full_state` (cast by ``cast``), then a fresh Subscriber reads the last one.
+    ``writer.step()`` (``explicit``: after the first, ``writer.step(writer.version + 1)``);
+    after each version a Subscriber on rank 0 syncs it and compares it with
+    :func:`full_state` (cast by ``cast``), then a fresh Subscriber reads the last one. Step
+    ``i`` trains on the tokens of step ``first_step + i`` (:func:`batch`, ``seed``).
 
     Returns this rank's record: ``versions`` (one dict per version: ``version``, ``held``
     (``writer.version`` after the step), ``kind``, ``changed``, ``total``, ``frames``,
     ``payload``, ``raw`` (snapshot-free raw blocks, None in a snapshot mode), ``step_s``
     (wall seconds of ``writer.step()``), rank 0 also ``mismatch`` and ``names`` (the
-    manifest's)),
-    ``slices`` (first and last version's :func:`slice_record`), ``fresh`` (rank 0: the fresh
-    subscriber's version and mismatches), ``run``, ``rank``, ``world``, ``names``
-    (:func:`expected_names`), ``shapes`` (global), ``layout`` (:func:`layout`), ``losses``.
+    manifest's)), ``slices`` (first and last version's :func:`slice_record`), ``fresh``
+    (rank 0: the fresh subscriber's version and mismatches), ``run``, ``rank``, ``world``,
+    ``names`` (:func:`expected_names`), ``shapes`` (global), ``layout`` (:func:`layout`),
+    ``losses``.
     """
     from deltastore import Subscriber
 
@@ -329,7 +332,8 @@ def publish_loop(
         if i:
             out["losses"].append(train_step(model, opt, first_step + i, seed))
         t0 = time.perf_counter()
-        report = writer.step()
+        held = writer.version
+        report = writer.step(held + 1) if explicit and held is not None else writer.step()
         step_s = time.perf_counter() - t0
         truth = full_state(model)  # collective: every rank
         sf = report.snapshot_free

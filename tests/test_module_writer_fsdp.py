@@ -63,7 +63,8 @@ def _hsdp_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     model = H.shard_model(H.build_model(), H.make_mesh((2, 2)))
     opt = H.make_optimizer(model)
     w = ModuleWriter(cfg["memory"], model, **OPTIONS)
-    H.save(cfg, "hsdp", rank, H.publish_loop(w, model, opt, cfg["memory"], steps=STEPS))
+    record = H.publish_loop(w, model, opt, cfg["memory"], steps=STEPS, explicit=True)
+    H.save(cfg, "hsdp", rank, record)
     return {}
 
 
