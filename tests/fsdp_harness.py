@@ -375,8 +375,15 @@ def spawn(
     group (``cfg["dir"]``: a folder for the rendezvous file and the results); returns each
     rank's result. A rank that raises writes ``{"error": traceback}`` first, then
     ``torch.multiprocessing.spawn`` raises in the caller."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_entry, args=(fn, world, cfg), nprocs=world, join=True)
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # the children's: one thread each
+    try:
+        mp.spawn(_entry, args=(fn, world, cfg), nprocs=world, join=True)
+    finally:
+        if before is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
     return [json.loads(Path(cfg["dir"], f"rank{r}.json").read_text()) for r in range(world)]
 
 
