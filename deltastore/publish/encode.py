@@ -21,7 +21,12 @@ import xxhash
 
 from deltastore.format.checksum import adler32, apply_delta, delta_sums
 from deltastore.format.codecs import NEW_WORDS_CODECS, RAW, Codec, CodecSet, FrameEncoder
+from deltastore.format.codecs.v2 import V1_MAX_CHANGES
 from deltastore.format.manifest import Frame
+from deltastore.publish.snapshot import FrameChange
+
+#: Elements per step when a dense frame's changes are gathered (:func:`_changes`).
+SCAN_ELEMENTS = 1 << 16
 
 J = TypeVar("J")
 R = TypeVar("R")
@@ -68,16 +73,17 @@ class FullFrame:
 @dataclass(frozen=True)
 class Encoded:
     """What a frame job produced. ``data`` is None for an unchanged frame of a delta (nothing
-    is stored); ``pos``/``new_at``: frame-local changed positions and their new words;
-    ``full``: the new words encoded for an anchor copy (None unless the job asked for it)."""
+    is stored); ``change``: the frame's changes against the job's ``old`` words, compact
+    (:class:`~deltastore.publish.snapshot.FrameChange`; None without ``old`` or when nothing
+    changed); ``full``: the new words encoded for an anchor copy (None unless the job asked
+    for it)."""
 
     changed: int
     adler: int
     codec: Codec
     data: bytes | None
     xxh3: str
-    pos: np.ndarray | None
-    new_at: np.ndarray | None
+    change: FrameChange | None
     detect_s: float
     encode_s: float
     full: FullFrame | None = None
@@ -97,14 +103,15 @@ class FrameEncoders:
             enc = self._local.encoder = FrameEncoder(self._level, codecs=self._codecs)
         return enc
 
-    def _diff(self, old: np.ndarray, new: np.ndarray) -> np.ndarray:
-        """Frame-local indices where the words differ (a reused bool buffer per thread)."""
+    def _diff(self, old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, int]:
+        """Where the words differ, as a bool map in this thread's reused buffer (valid until
+        the thread's next frame), and how many differ."""
         ne: np.ndarray | None = getattr(self._local, "ne", None)
         if ne is None or ne.size < new.size:
             ne = self._local.ne = np.empty(new.size, dtype=np.bool_)
         out = ne[: new.size]
         np.not_equal(old, new, out=out)
-        return np.flatnonzero(out)
+        return out, int(np.count_nonzero(out))
 
     def encode(self, job: FrameJob) -> Encoded:
         """Detect, checksum and encode one frame (any thread)."""
@@ -121,27 +128,45 @@ class FrameEncoders:
 
     def _encode(self, job: FrameJob) -> Encoded:
         t0 = time.perf_counter()
-        pos = self._diff(job.old, job.new) if job.old is not None else None
-        t1 = time.perf_counter()
-        new_at = None
-        if job.delta and pos is not None and job.old is not None and job.parent_adler is not None:
-            if pos.size == 0:
-                return Encoded(0, job.parent_adler, RAW, None, "", pos, None, t1 - t0, 0.0)
-            old_at, new_at = job.old[pos], job.new[pos]
-            if pos.size * 8 > job.new.size:  # most words changed: a full pass is cheaper
-                value = adler32(job.new)
-            else:  # O(changed) from the parent's (the snapshot was checked against it)
+        old, new = job.old, job.new
+        delta = job.delta and old is not None and job.parent_adler is not None
+        change = None
+        value: int | None = None
+        if old is not None:
+            ne, k = self._diff(old, new)
+            if k and delta and k * 8 <= new.size:
+                # few words changed: the Adler-32 in O(changed) from the parent's (the
+                # snapshot was checked against it)
+                pos64 = np.flatnonzero(ne)
+                old_at, new_at = old[pos64], new[pos64]
                 value = apply_delta(
-                    job.parent_adler, *delta_sums(pos, old_at, new_at, job.new.nbytes)
+                    job.parent_adler,  # type: ignore[arg-type]
+                    *delta_sums(pos64, old_at, new_at, new.nbytes),
                 )
-            codec, data = self._encoder().encode_delta(job.old, job.new, pos, masks=old_at ^ new_at)
+                positions = pos64.astype(np.uint32)
+                masks = np.bitwise_xor(old_at, new_at, out=old_at)
+                del pos64, new_at
+            elif k:
+                positions, masks = _changes(ne, old, new, k)
+            if k:
+                change = FrameChange.of(ne, positions, masks)
+        t1 = time.perf_counter()
+        if delta and change is not None:
+            if value is None:
+                value = adler32(new)
+            # xor-sparse (tried on a few changes only) wants int64 positions
+            at = positions if positions.size > V1_MAX_CHANGES else positions.astype(np.int64)
+            codec, data = self._encoder().encode_delta(old, new, at, masks=masks)  # type: ignore[arg-type]
+            del at, positions
+        elif delta:  # unchanged: nothing stored
+            return Encoded(0, job.parent_adler, RAW, None, "", None, t1 - t0, 0.0)  # type: ignore[arg-type]
         else:
-            value = adler32(job.new)
-            codec, data = self._encoder().new_words(job.new)
-        changed = job.new.size if pos is None else int(pos.size)
+            value = adler32(new)
+            codec, data = self._encoder().new_words(new)
+        changed = new.size if old is None else (0 if change is None else change.masks.size)
         digest = xxhash.xxh3_64_hexdigest(data)
         return Encoded(
-            changed, value, codec, data, digest, pos, new_at, t1 - t0, time.perf_counter() - t1
+            changed, value, codec, data, digest, change, t1 - t0, time.perf_counter() - t1
         )
 
     def encoder(self) -> FrameEncoder:
@@ -168,6 +193,27 @@ class FrameEncoders:
                     yield ahead.popleft().result()
             while ahead:
                 yield ahead.popleft().result()
+
+
+def _changes(
+    ne: np.ndarray, old: np.ndarray, new: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` positions (uint32, ascending) where the bool map ``ne`` is set and the XOR
+    masks ``old ^ new`` there, gathered :data:`SCAN_ELEMENTS` at a time: no int64 position
+    list of the whole frame (8 bytes per change) is ever held."""
+    positions = np.empty(k, dtype=np.uint32)
+    masks = np.empty(k, dtype=new.dtype)
+    done = 0
+    for a in range(0, new.size, SCAN_ELEMENTS):
+        b = min(a + SCAN_ELEMENTS, new.size)
+        at = np.flatnonzero(ne[a:b])
+        m = int(at.size)
+        if m:
+            np.bitwise_xor(old[a:b][at], new[a:b][at], out=masks[done : done + m])
+            at += a
+            positions[done : done + m] = at
+            done += m
+    return positions, masks
 
 
 __all__ = ["Encoded", "FrameEncoders", "FrameJob", "FullFrame"]

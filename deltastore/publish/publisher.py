@@ -419,9 +419,8 @@ class ChainWriter:
                         obj, offset = copy_packs.add(out.full.data)
                         entry = out.full.frame(start + a, start + b, obj, offset, out.adler)
                         copy_frames.append(entry)
-                    if prev is not None and out.pos is not None and out.pos.size:
-                        new_at = words[a:b][out.pos] if out.new_at is None else out.new_at
-                        pending.updates.append(HeldChange(prev.words, out.pos + a, new_at))
+                    if prev is not None and out.change is not None:
+                        pending.updates.append(HeldChange(prev.words[a:b], out.change))
                     frame_adler.append(out.adler)
                     ticker.tick((b - a) * words.dtype.itemsize)
                     changed_total += out.changed

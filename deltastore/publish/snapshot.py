@@ -52,14 +52,55 @@ def row_range(shape: Sequence[int], rows: tuple[int, int]) -> tuple[int, int]:
     return rows[0] * per_row, rows[1] * per_row
 
 
+#: A frame's changes are kept as a bitmap (one bit per element) when more than one element in
+#: this many changed, else as uint32 positions (4 bytes per change): the smaller of the two.
+BITMAP_DENSITY = 32
+
+
+@dataclass(frozen=True)
+class FrameChange:
+    """The changes of one frame of ``n`` words, frame-local, as compact as they come: where
+    they are (``where``: uint32 ascending positions, or with ``bitmap`` a
+    :func:`numpy.packbits` bitmap of the ``n`` elements, big-endian bit order) and their XOR
+    ``masks`` (``old ^ new``, never zero, in position order). Memory: ``min(4, n / 8k) + s``
+    bytes per change of ``s``-byte words (the int64 positions and new words it replaces took
+    ``8 + s``). Immutable; :meth:`apply` is thread-safe on distinct targets."""
+
+    n: int
+    where: np.ndarray
+    masks: np.ndarray
+    bitmap: bool
+
+    @classmethod
+    def of(cls, ne: np.ndarray, positions: np.ndarray, masks: np.ndarray) -> FrameChange:
+        """From the frame's bool change map ``ne`` (read here, not kept), its uint32
+        ``positions`` (kept when they are the smaller) and ``masks``."""
+        n = int(ne.size)
+        if positions.size * BITMAP_DENSITY > n:
+            return cls(n, np.packbits(ne), masks, True)
+        return cls(n, positions, masks, False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return int(self.where.nbytes + self.masks.nbytes)
+
+    def apply(self, words: np.ndarray) -> None:
+        """XOR the masks into ``words`` (the frame's ``n`` held words, in place)."""
+        if self.bitmap:
+            at = np.unpackbits(self.where, count=self.n).view(np.bool_)
+            words[at] ^= self.masks
+        else:
+            words[self.where] ^= self.masks
+
+
 @dataclass(frozen=True)
 class HeldChange:
-    """Changed words of one frame to write into the held copy once a delta is committed:
-    ``held`` (the held tensor's words), int64 element ``positions`` in it, new ``values``."""
+    """Changes of one frame to write into the held copy once a delta is committed: ``held``
+    (the frame's held words, a view of the tensor's) and its ``change``."""
 
     held: np.ndarray
-    positions: np.ndarray
-    values: np.ndarray
+    change: FrameChange
 
 
 @dataclass(frozen=True)
@@ -334,7 +375,7 @@ class WriterState:
             raise ValueError("no version held to update")
         self._snapshots.begin_update()
         for c in changes:
-            c.held[c.positions] = c.values
+            c.change.apply(c.held)
         for name, st in self.tensors.items():
             st.frame_adler, st.adler = sums[name].frames, sums[name].whole
         self._hold(version, digest)

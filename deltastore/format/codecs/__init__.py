@@ -260,23 +260,32 @@ class FrameEncoder:
         """
         if masks is None:
             masks = old[positions] ^ new[positions]
-        cands: list[tuple[Codec, bytes]] = []
         dense = positions.size * 16 > new.size
+        # each candidate encoded in turn, only the smallest so far kept (the first on a tie):
+        # one candidate's bytes and temporaries at a time beside the best
+        cands: list[tuple[Codec, Callable[[], bytes]]] = []
         if self._v2 is None:
-            cands.append((XOR_SPARSE, self.xor_sparse(positions, masks)))
+            cands.append((XOR_SPARSE, lambda: self.xor_sparse(positions, masks)))
             if dense:
-                cands += [(XOR_DENSE, self.xor_dense(old ^ new)), (RAW, self.raw(new))]
+                cands += [
+                    (XOR_DENSE, lambda: self.xor_dense(old ^ new)),
+                    (RAW, lambda: self.raw(new)),
+                ]
         else:
-            cands.append((XOR_SPARSE2, self._v2.xor_sparse2(positions, masks)))
+            v2 = self._v2
+            cands.append((XOR_SPARSE2, lambda: v2.xor_sparse2(positions, masks)))
             if positions.size <= V1_MAX_CHANGES:
-                cands.append((XOR_SPARSE, self.xor_sparse(positions, masks)))
+                cands.append((XOR_SPARSE, lambda: self.xor_sparse(positions, masks)))
             if dense:
-                cands.append((XOR_DENSE, self._v2.xor_dense(old ^ new)))
-                cands.append((RAW_PLANES, self._v2.raw_planes(new)))
-        best = cands[0]
-        for cand in cands[1:]:
-            if len(cand[1]) < len(best[1]):
-                best = cand
+                cands.append((XOR_DENSE, lambda: v2.xor_dense(old ^ new)))
+                cands.append((RAW_PLANES, lambda: v2.raw_planes(new)))
+        best: tuple[Codec, bytes] | None = None
+        for codec, encode in cands:
+            data = encode()
+            if best is None or len(data) < len(best[1]):
+                best = (codec, data)
+            del data
+        assert best is not None
         return best
 
 

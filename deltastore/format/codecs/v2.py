@@ -184,24 +184,28 @@ def _low_planes(gaps: np.ndarray, low_bits: int) -> list[bytes]:
     width = _low_width(low_bits)
     if not width:
         return []
-    low = gaps & ((1 << low_bits) - 1)
+    low = np.empty(gaps.size, dtype=np.uint8 if width == 1 else word_dtype(2 if width == 2 else 4))
+    np.bitwise_and(gaps, (1 << low_bits) - 1, out=low, casting="unsafe")  # each fits
     if width == 1:
-        return [low.astype(np.uint8).tobytes()]
-    return byte_planes(low.astype(word_dtype(2 if width == 2 else 4)))[:width]
+        return [low.tobytes()]
+    return byte_planes(low)[:width]
 
 
 # --- the position coding (shared by ``xor-sparse2`` and ``xor-patch``) ----------------------
 
 
 def position_gaps(positions: np.ndarray, codec: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(positions, gaps)`` as int64 of a non-empty writer's position list: ``gaps[i]`` is
-    the number of elements skipped before position ``i``; :class:`ValueError` unless the
-    positions are strictly increasing and in ``[0, 2^32 - 1)``."""
-    pos = positions.astype(np.int64, copy=False)
+    """``(positions, gaps)`` of a non-empty writer's position list (integers; ``positions``
+    returned as given, ``gaps`` int64): ``gaps[i]`` is the number of elements skipped before
+    position ``i``; :class:`ValueError` unless the positions are strictly increasing and in
+    ``[0, 2^32 - 1)``. Allocates only ``gaps`` (no int64 copy of the positions)."""
+    pos = positions if positions.dtype.kind in "iu" else positions.astype(np.int64)
     if int(pos[0]) < 0 or int(pos[-1]) >= MAX_SPARSE2_ELEMENTS:
         raise ValueError(f"{codec} positions must be in [0, 2^32 - 1)")
-    gaps = np.diff(pos, prepend=-1)
-    gaps -= 1
+    gaps = np.empty(pos.size, dtype=np.int64)
+    gaps[0] = pos[0]
+    np.subtract(pos[1:], pos[:-1], out=gaps[1:], dtype=np.int64)
+    gaps[1:] -= 1
     if int(gaps.min()) < 0:
         raise ValueError(f"{codec} needs strictly increasing positions")
     return pos, gaps
@@ -219,8 +223,9 @@ def position_parts(
         low_bits = choose_low_bits(k, int(pos[-1]) + 1)
     if not 0 <= low_bits <= MAX_LOW_BITS:
         raise ValueError(f"low_bits must be in 0..{MAX_LOW_BITS}")
-    high = gaps >> low_bits
-    tokens = np.minimum(high, ESCAPE).astype(np.uint8)
+    high = gaps >> low_bits if low_bits else gaps  # no copy when L is 0 (dense changes)
+    tokens = np.empty(k, dtype=np.uint8)
+    np.minimum(high, ESCAPE, out=tokens, casting="unsafe")  # each fits: no int64 temporary
     escaped = high[tokens == ESCAPE]
     escaped -= ESCAPE
     header = _HEADER.pack(k, int(escaped.size), low_bits, b"\0\0\0")
