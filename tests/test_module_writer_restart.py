@@ -247,7 +247,9 @@ def test_a_killed_job_restarts_and_the_store_stays_exact(tmp_path: Path, case: s
         VersionNotCommittedError,
     )
     from deltastore.format.keys import manifest_key
+    from deltastore.maintenance.orphans import gc
     from deltastore.maintenance.verify import verify_store
+    from deltastore.store import LocalStore
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     store, out = tmp_path / "store", tmp_path / "out"
@@ -319,4 +321,13 @@ def test_a_killed_job_restarts_and_the_store_stays_exact(tmp_path: Path, case: s
     with pytest.raises(SupersededRunError) as refused:
         commit_parts(store, version=head + MORE + 1, world=WORLD, run=old_run, timeout_s=1)
     assert old_run in str(refused.value), refused.value
-    assert verify_store(store).ok
+    # gc removes what the crashed run left (its parts of K in case "part-written") and
+    # nothing a version needs
+    leftovers = [k for k in LocalStore(store).list("versions/") if f"/parts/{old_run}/" in k]
+    assert bool(leftovers) == (case == "part-written"), leftovers
+    removed = set(gc(store, orphans=True).removed)
+    assert {k for k in leftovers if not k.endswith("abort.json")} <= removed
+    assert verify_store(store, deep=True).ok
+    again = Subscriber(str(store), lease_ttl=None)
+    assert again.sync().version == head + MORE
+    assert_bit_exact(final, again.tensors)
