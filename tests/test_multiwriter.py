@@ -23,12 +23,14 @@ from deltastore import (
     ShardWriter,
     Subscriber,
     TensorMismatchError,
+    VersionExistsError,
     VersionNotCommittedError,
     WrongParentError,
     commit_parts,
     shard,
 )
 from deltastore.format.manifest import Manifest, manifest_key, parse_latest, parse_manifest
+from deltastore.publish.runs import new_run_id
 from deltastore.publish.sharded import abort_key, part_key, parts_prefix
 from deltastore.store import LocalStore
 
@@ -250,6 +252,33 @@ def test_a_failed_writer_leaves_the_version_uncommitted_and_a_retry_works(tmp_pa
     with pytest.raises(VersionNotCommittedError, match="aborted"):
         commit_parts(store, version=3, world=WORLD, timeout_s=0.2)  # never committed later
     delta_reaches_a_new_subscriber(store, ws, v3, 4, parent=2)
+
+
+def test_republishing_a_crashed_runs_version_says_what_is_there(tmp_path: Path) -> None:
+    """A writer restarted without a run id finds its own uncommitted part of the version it
+    crashed in: the error says so (not that another writer committed the version), and a
+    writer with a new run id publishes that version again."""
+    store = tmp_path / "store"
+    v1 = model(1)
+    publish_round(store, writers(store), v1, version=1)
+    v2 = step(v1, seed=2)
+    writers(store)[0].publish(slices(v2, 0), version=2)  # then the process dies
+    restarted = writers(store)
+    for w in restarted:
+        w.attach(slices(v1, w.rank))
+    with pytest.raises(VersionExistsError, match="uncommitted part of rank 0 for version 2"):
+        restarted[0].publish(slices(v2, 0), version=2)
+    run = new_run_id()
+    fresh = writers(store, run=run)
+    for w in fresh:
+        w.attach(slices(v1, w.rank))
+        w.publish(slices(v2, w.rank), version=2)
+    commit_parts(store, version=2, world=WORLD, run=run, timeout_s=10)
+    for w in fresh:
+        w.finish(2, timeout_s=10)
+    sub = Subscriber(store)
+    sub.sync()
+    assert_bit_exact(v2, sub.tensors)
 
 
 @pytest.mark.parametrize(

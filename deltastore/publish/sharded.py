@@ -279,10 +279,19 @@ class ShardWriter(ChainWriter):
             else {n: _part_tensor(e, rows[n]) for n, e in copy.items()},
         )
         t0 = time.perf_counter()
-        self.store.put_if_absent(
-            part_key(version, self.rank, self.world, self.run),
-            part.model_dump_json(indent=1, exclude_none=False).encode(),
-        )
+        key = part_key(version, self.rank, self.world, self.run)
+        try:
+            self.store.put_if_absent(key, part.model_dump_json(indent=1).encode())
+        except VersionExistsError:
+            committed = self.store.exists(manifest_key(version))
+            raise VersionExistsError(
+                f"version {version} is committed already; publish a higher version"
+                if committed
+                else f"{key} exists: an uncommitted part of rank {self.rank} for version "
+                f"{version}, left by an earlier (crashed?) run of these writers; give the "
+                "writers a new run id (ModuleWriter does, and its resume() abandons the old "
+                "parts) or publish a higher version"
+            ) from None
         pending.upload_s += time.perf_counter() - t0
         return part
 

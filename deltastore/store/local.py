@@ -134,7 +134,7 @@ class LocalStore(Store):
                 os.link(tmp, path)
             except FileExistsError:
                 raise VersionExistsError(
-                    f"{key} already exists in store {self.url}: another writer committed it"
+                    f"{key} already exists in store {self.url}: another writer created it first"
                 ) from None
             finally:
                 tmp.unlink(missing_ok=True)
