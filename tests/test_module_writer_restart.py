@@ -128,7 +128,8 @@ def _run(rank: int, cfg: dict[str, Any]) -> None:
     if phase == "resume":
         for s in range(1, cfg["head"]):  # replay: version v holds the weights after v - 1 steps
             train(model, opt, s, rank)
-    w = ModuleWriter(store, model, dtype=torch.bfloat16, **OPTIONS)
+    extra = {"snapshot": "none", "optimizer": opt} if cfg["snapshot_free"] else {}
+    w = ModuleWriter(store, model, dtype=torch.bfloat16, **OPTIONS, **extra)
     report = w.resume()
     mark(
         cfg,
@@ -172,6 +173,9 @@ def _run(rank: int, cfg: dict[str, Any]) -> None:
         assert manifest is not None and manifest.version == K
         mark(cfg, "rank0-committed")  # (no gather: rank 1 is not in one any more)
         os._exit(1)  # the committer dies after the commit, before finish
+    if cfg["case"] == "committed":
+        assert w.finish(K).version == K  # rank 1 holds K, then waits for rank 0
+        mark(cfg, "rank1-finished")
     # the other rank: in the next collective (rank 0 of case "part-written" stands for a
     # committer that has not reached its commit yet) until the launcher kills it
     mark(cfg, f"waiting-{rank}")
@@ -238,8 +242,14 @@ def kill(procs: list[Any]) -> None:
         p.join(30)
 
 
-@pytest.mark.parametrize("case", ["part-written", "committed"])
-def test_a_killed_job_restarts_and_the_store_stays_exact(tmp_path: Path, case: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "snapshot_free"),
+    [("part-written", False), ("committed", False), ("part-written", True)],
+    ids=["part-written", "committed", "part-written-snapshot-free"],
+)
+def test_a_killed_job_restarts_and_the_store_stays_exact(
+    tmp_path: Path, case: str, snapshot_free: bool
+) -> None:
     from deltastore import Subscriber, commit_parts
     from deltastore.errors import (
         SupersededRunError,
@@ -254,7 +264,12 @@ def test_a_killed_job_restarts_and_the_store_stays_exact(tmp_path: Path, case: s
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     store, out = tmp_path / "store", tmp_path / "out"
     out.mkdir()
-    cfg: dict[str, Any] = {"store": str(store), "out": str(out), "case": case}
+    cfg: dict[str, Any] = {
+        "store": str(store),
+        "out": str(out),
+        "case": case,
+        "snapshot_free": snapshot_free,
+    }
     follower = Subscriber(str(store), lease_ttl=None)
     seen: list[int] = []
 
@@ -272,6 +287,8 @@ def test_a_killed_job_restarts_and_the_store_stays_exact(tmp_path: Path, case: s
         else:
             wait_for(lambda: not procs[0].is_alive(), out, follow, "rank 0 to die")
             assert procs[0].exitcode == 1 and (out / "rank0-committed").exists(), errors(out)
+            wait_for(lambda: (out / "waiting-1").exists(), out, follow, "rank 1 to finish")
+            assert (out / "rank1-finished").exists()
     finally:
         kill(procs)  # the launcher ends the job
     head = K - 1 if case == "part-written" else K
