@@ -279,3 +279,23 @@ def test_writers_that_disagree_on_a_copy_corrupt_nothing(
     got = fresh.sync()
     assert got.version == 6 and got.applied == (6,) and got.path == "anchor"
     assert_bit_exact(state, fresh.tensors)
+
+
+def test_restarted_writers_keep_the_anchor_account(tmp_path: Path) -> None:
+    """Writers restarted at version 10 (new ShardWriters attached to the head) write their
+    anchor copies at the same versions as writers that ran straight through."""
+    straight, _ = run(tmp_path / "a", 24, anchor_policy="cost:0.5")
+    root = tmp_path / "b"
+    ws = [ShardWriter(root, rank, WORLD, anchor_policy="cost:0.5", **OPTIONS) for rank in (0, 1)]
+    for v, state in enumerate(straight[:10], start=1):
+        publish_round(root, ws, state, v)
+    again = [ShardWriter(root, rank, WORLD, anchor_policy="cost:0.5", **OPTIONS) for rank in (0, 1)]
+    for w in again:
+        assert w.attach(slices(straight[9], w.rank)) == 10
+    for v, state in enumerate(straight[10:], start=11):
+        publish_round(root, again, state, v)
+    assert len(copies_of(tmp_path / "a")) >= 3
+    assert copies_of(root) == copies_of(tmp_path / "a")
+    fresh = Subscriber(root, lease_ttl=None)
+    assert fresh.sync().applied[0] == max(copies_of(root))
+    assert_bit_exact(straight[-1], fresh.tensors)
