@@ -299,3 +299,56 @@ def test_restarted_writers_keep_the_anchor_account(tmp_path: Path) -> None:
     fresh = Subscriber(root, lease_ttl=None)
     assert fresh.sync().applied[0] == max(copies_of(root))
     assert_bit_exact(straight[-1], fresh.tensors)
+
+
+def test_snapshot_free_writers_write_exact_anchor_copies(tmp_path: Path) -> None:
+    """Two snapshot-free writers (each with its own AdamW over its rows, float32, published
+    as bf16) and the cost policy: their copies are full anchors of the versions' states, bit
+    for bit the bf16 cast of the parameters."""
+    root = tmp_path / "store"
+    g = torch.Generator().manual_seed(2)
+    full = {n: torch.randn(s, generator=g) * 0.02 for n, s in SHAPES.items() if len(s) == 2}
+    bounds = {n: (0, cut_of(t.shape[0]), t.shape[0]) for n, t in full.items()}
+    ranks = []
+    for r in range(WORLD):
+        local = {
+            n: torch.nn.Parameter(t[bounds[n][r] : bounds[n][r + 1]].clone())
+            for n, t in full.items()
+        }
+        opt = torch.optim.AdamW(list(local.values()), lr=2e-4)
+        w = ShardWriter(root, r, WORLD, snapshot="none", optimizer=opt, **OPTIONS)
+        ranks.append((local, opt, w))
+    states: list[Tensors] = []
+    for v in range(1, 13):
+        if v > 1:
+            g = torch.Generator().manual_seed(1000 + v)
+            grads = {n: torch.randn(t.shape, generator=g) for n, t in full.items()}
+            for r, (local, opt, _) in enumerate(ranks):
+                for n, p in local.items():
+                    p.grad = grads[n][bounds[n][r] : bounds[n][r + 1]].clone()
+                opt.step()
+        for r, (local, _, w) in enumerate(ranks):
+            w.publish(
+                {n: RowSlice(p, tuple(full[n].shape), bounds[n][r]) for n, p in local.items()},
+                version=v,
+            )
+        commit_parts(root, version=v, world=WORLD, timeout_s=10)
+        for _, _, w in ranks:
+            w.finish(v, timeout_s=10)
+        states.append(
+            {
+                n: torch.cat([ranks[r][0][n].detach() for r in range(WORLD)]).to(torch.bfloat16)
+                for n in full
+            }
+        )
+    copies = copies_of(root)
+    assert len(copies) >= 2, copies
+    for v in copies:
+        sub = Subscriber(root, lease_ttl=None)
+        assert sub.sync(v).applied == (v,)
+        assert_bit_exact(states[v - 1], sub.tensors)
+    report = verify_store(root, deep=True)
+    assert report.ok, report.summary()
+    fresh = Subscriber(root, lease_ttl=None)
+    fresh.sync()
+    assert_bit_exact(states[-1], fresh.tensors)
