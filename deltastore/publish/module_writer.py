@@ -126,6 +126,7 @@ class ModuleWriter:
             if optimizer is not None
             else set()
         )
+        self._snapfree = snapfree
         self._anchor_next = False
         if self.rank == committer:
             register_run(self.store, self.run, self.world)
@@ -174,22 +175,24 @@ class ModuleWriter:
                 yield name, buf
 
     def slices(self) -> dict[str, RowSlice]:
-        """This rank's slices of the module now, by tensor name (collective when a tensor has
-        to be gathered). Raises :class:`TensorMismatchError` for a DTensor whose mesh does not
-        include this rank."""
+        """This rank's slices of the module now, by tensor name (collective when a DTensor is
+        not sharded by rows). Raises :class:`TensorMismatchError` for a DTensor whose mesh
+        does not include this rank."""
         from torch.distributed.tensor import DTensor
 
         out: dict[str, RowSlice] = {}
         for name, t in self._tensors():
             s = self._dtensor_slice(name, t) if isinstance(t, DTensor) else self._plain_slice(t)
             if s is not None:
-                out[name] = self._cast(s)
+                out[name] = self._cast(s, optimized=id(t) in self._optimized)
         return out
 
     def _plain_slice(self, t: torch.Tensor) -> RowSlice | None:
         return RowSlice(t.detach(), tuple(t.shape), 0, t) if self.rank == 0 else None
 
     def _dtensor_slice(self, name: str, t: Any) -> RowSlice | None:
+        """This rank's rows of the DTensor ``t`` (None: another rank writes them); its
+        ``param`` is ``t`` when the rows are ``t``'s own local shard."""
         from torch.distributed.tensor import Replicate, Shard
 
         placements = tuple(t.placements)
@@ -199,13 +202,15 @@ class ModuleWriter:
                 f"{name}: this rank is not in the device mesh of the DTensor; a ModuleWriter's "
                 "group must be the ranks of the module's mesh"
             )
-        rows_ok = all(
-            (type(p) is Shard and p.dim == 0) or isinstance(p, Replicate) for p in placements
-        )
-        shape = tuple(t.shape)
-        if not rows_ok or not shape:
+        shape, param = tuple(t.shape), t
+        if not shape:  # 0-dim: one writer, the whole of it
             full = t.full_tensor().detach()  # collective on the mesh: every rank
             return RowSlice(full, shape, 0, None) if not any(coordinate) else None
+        if not all(_rows(p) or isinstance(p, Replicate) for p in placements):
+            # a dim-1 or strided shard, a partial: this rank's rows of a dim-0 layout instead
+            # (a collective on the mesh; a shard's worth of memory, never the whole tensor)
+            placements = tuple(p if isinstance(p, Replicate) else Shard(0) for p in placements)
+            t, param = t.detach().redistribute(t.device_mesh, placements), None
         writer = all(
             c == 0 for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Replicate)
         )
@@ -219,16 +224,25 @@ class ModuleWriter:
                 f"{name}: the local chunk {sizes} at {offsets} of a {shape} DTensor is not a row "
                 f"range (placements {placements})"
             )
-        return RowSlice(local, shape, offsets[0], t)
+        return RowSlice(local, shape, offsets[0], param)
 
-    def _cast(self, s: RowSlice) -> RowSlice:
-        """``s`` in :attr:`dtype` (a parameter the optimizer steps keeps its own with
-        ``snapshot="none"``: the writer publishes its bfloat16 cast)."""
-        dtype, t = self.dtype, s.tensor
+    def _cast(self, s: RowSlice, *, optimized: bool) -> RowSlice:
+        """``s`` as published. With ``snapshot="none"``, a slice of a float32 parameter the
+        optimizer steps is published as bfloat16: the writer casts its own shard, a slice
+        that is not that shard (redistributed) is cast here; any other slice keeps
+        ``param`` only when it is an optimizer parameter (the writer takes the others for
+        snapshots of their own). Then :attr:`dtype`, for floating slices of other tensors."""
+        t, param = s.tensor, s.param
+        if self._snapfree:
+            if not optimized:
+                param = None
+            elif param is None and t.dtype == torch.float32:
+                return RowSlice(t.to(torch.bfloat16), s.global_shape, s.row_start, None)
+            elif param is not None:
+                return RowSlice(t, s.global_shape, s.row_start, param)
+        dtype = self.dtype
         if dtype is None or not t.is_floating_point() or t.dtype == dtype:
-            return s
-        if s.param is not None and id(s.param) in self._optimized:
-            return s
+            return RowSlice(t, s.global_shape, s.row_start, param)
         return RowSlice(t.to(dtype), s.global_shape, s.row_start, None)
 
     # --- versions -------------------------------------------------------------------------
@@ -347,6 +361,14 @@ class ModuleWriter:
         self.commit(report.version)
         self.finish(report.version)
         return report
+
+
+def _rows(placement: object) -> bool:
+    """Whether ``placement`` shards dim 0 into contiguous row ranges (``Shard(0)``; not a
+    strided shard, a subclass)."""
+    from torch.distributed.tensor import Shard
+
+    return type(placement) is Shard and placement.dim == 0
 
 
 __all__ = ["ModuleWriter", "ResumeReport"]
