@@ -319,7 +319,7 @@ class ModuleWriter:
             report = self.writer.publish(
                 self.slices(), version=version, anchor=anchor, progress=progress
             )
-        except DeltastoreError as exc:
+        except Exception as exc:
             write_abort(
                 self.store, version, self.run, f"rank {self.rank}: {type(exc).__name__}: {exc}"
             )
