@@ -128,6 +128,9 @@ def _run(rank: int, cfg: dict[str, Any]) -> None:
     if phase == "resume":
         for s in range(1, cfg["head"]):  # replay: version v holds the weights after v - 1 steps
             train(model, opt, s, rank)
+        held = truth(model)  # the replayed state of the store's head
+        if rank == 0:
+            torch.save(held, Path(cfg["out"], "head.pt"))
     extra = {"snapshot": "none", "optimizer": opt} if cfg["snapshot_free"] else {}
     w = ModuleWriter(store, model, dtype=torch.bfloat16, **OPTIONS, **extra)
     report = w.resume()
@@ -320,6 +323,7 @@ def test_a_killed_job_restarts_and_the_store_stays_exact(
     assert versions[0] == versions[1] == list(range(head + 1, head + 1 + MORE))
     final = torch.load(out / "final.pt")
 
+    assert_bit_exact(torch.load(out / "head.pt"), follower.tensors)  # the replay is exact
     report = verify_store(store, deep=True)
     assert report.ok, report.summary()
     assert report.versions == tuple(range(1, head + MORE + 1))
