@@ -26,7 +26,7 @@ from deltastore.format.manifest import Frame
 from deltastore.publish.snapshot import FrameChange
 
 #: Elements per step when a dense frame's changes are gathered (:func:`_changes`).
-SCAN_ELEMENTS = 1 << 16
+SCAN_ELEMENTS = 1 << 13
 
 J = TypeVar("J")
 R = TypeVar("R")
@@ -128,46 +128,45 @@ class FrameEncoders:
 
     def _encode(self, job: FrameJob) -> Encoded:
         t0 = time.perf_counter()
-        old, new = job.old, job.new
-        delta = job.delta and old is not None and job.parent_adler is not None
-        change = None
-        value: int | None = None
-        if old is not None:
-            ne, k = self._diff(old, new)
-            if k and delta and k * 8 <= new.size:
+        old, new, parent_adler = job.old, job.new, job.parent_adler
+        if old is None:  # no parent: the new words
+            codec, data = self._encoder().new_words(new)
+            t1 = time.perf_counter()
+            digest = xxhash.xxh3_64_hexdigest(data)
+            return Encoded(
+                new.size, adler32(new), codec, data, digest, None, 0.0, time.perf_counter() - t0
+            )
+        ne, k = self._diff(old, new)
+        t1 = time.perf_counter()
+        change: FrameChange | None = None
+        if not (job.delta and parent_adler is not None):  # the new words, and the changes
+            if k:
+                change = FrameChange.of(ne, *_changes(ne, old, new, k))
+            value = adler32(new)
+            codec, data = self._encoder().new_words(new)
+        elif not k:  # unchanged: nothing stored
+            return Encoded(0, parent_adler, RAW, None, "", None, t1 - t0, 0.0)
+        else:
+            found: tuple[np.ndarray, np.ndarray] | None = None
+            if k * 8 <= new.size:
                 # few words changed: the Adler-32 in O(changed) from the parent's (the
                 # snapshot was checked against it)
                 pos64 = np.flatnonzero(ne)
                 old_at, new_at = old[pos64], new[pos64]
-                value = apply_delta(
-                    job.parent_adler,  # type: ignore[arg-type]
-                    *delta_sums(pos64, old_at, new_at, new.nbytes),
-                )
-                positions = pos64.astype(np.uint32)
-                masks = np.bitwise_xor(old_at, new_at, out=old_at)
-                del pos64, new_at
-            elif k:
-                positions, masks = _changes(ne, old, new, k)
-            if k:
-                change = FrameChange.of(ne, positions, masks)
-        t1 = time.perf_counter()
-        if delta and change is not None:
-            if value is None:
+                value = apply_delta(parent_adler, *delta_sums(pos64, old_at, new_at, new.nbytes))
+                found = (pos64.astype(np.uint32), np.bitwise_xor(old_at, new_at, out=old_at))
+                del pos64, old_at, new_at
+            else:
                 value = adler32(new)
-            # xor-sparse (tried on a few changes only) wants int64 positions
-            at = positions if positions.size > V1_MAX_CHANGES else positions.astype(np.int64)
-            codec, data = self._encoder().encode_delta(old, new, at, masks=masks)  # type: ignore[arg-type]
-            del at, positions
-        elif delta:  # unchanged: nothing stored
-            return Encoded(0, job.parent_adler, RAW, None, "", None, t1 - t0, 0.0)  # type: ignore[arg-type]
-        else:
-            value = adler32(new)
-            codec, data = self._encoder().new_words(new)
-        changed = new.size if old is None else (0 if change is None else change.masks.size)
+            positions, masks = found if found is not None else _changes(ne, old, new, k)
+            found = None
+            change = FrameChange.of(ne, positions, masks)
+            if k <= V1_MAX_CHANGES:  # xor-sparse (tried on a few changes) wants int64 ones
+                positions = positions.astype(np.int64)
+            codec, data = self._encoder().encode_delta(old, new, positions, masks=masks)
+            del positions, masks
         digest = xxhash.xxh3_64_hexdigest(data)
-        return Encoded(
-            changed, value, codec, data, digest, change, t1 - t0, time.perf_counter() - t1
-        )
+        return Encoded(k, value, codec, data, digest, change, t1 - t0, time.perf_counter() - t1)
 
     def encoder(self) -> FrameEncoder:
         """The calling thread's :class:`FrameEncoder` (created on first use)."""

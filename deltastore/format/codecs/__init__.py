@@ -79,6 +79,7 @@ from deltastore.format.codecs.zstdframe import (
     MAX_WINDOW_SIZE,
     compress_bound,
     content_size,
+    one_shot,
 )
 from deltastore.format.dtypes import word_dtype
 
@@ -215,11 +216,11 @@ class FrameEncoder:
 
     def raw(self, new: np.ndarray) -> bytes:
         """``raw`` frame of the new words."""
-        return bytes(self._cctx.compress(new.view(np.uint8).data))
+        return one_shot(self._cctx, new.view(np.uint8).data)
 
     def xor_dense(self, xor: np.ndarray) -> bytes:
         """``xor-dense`` frame of the full XOR words."""
-        return bytes(self._cctx.compress(xor.view(np.uint8).data))
+        return one_shot(self._cctx, xor.view(np.uint8).data)
 
     def xor_sparse(self, positions: np.ndarray, masks: np.ndarray) -> bytes:
         """``xor-sparse`` frame from strictly increasing positions and non-zero masks."""
@@ -229,7 +230,7 @@ class FrameEncoder:
         width = 1 if top < 1 << 8 else 2 if top < 1 << 16 else 4
         header = k.to_bytes(4, "little") + bytes((width, 0, 0, 0))
         body = _planes(gaps.astype(word_dtype(width))) + _planes(masks)
-        return self._cctx.compress(header + body)
+        return one_shot(self._cctx, header + body)
 
     def new_words(self, new: np.ndarray) -> tuple[Codec, bytes]:
         """The frame of new words (every frame of an anchor, a tensor without a parent):
@@ -260,33 +261,44 @@ class FrameEncoder:
         """
         if masks is None:
             masks = old[positions] ^ new[positions]
-        dense = positions.size * 16 > new.size
-        # each candidate encoded in turn, only the smallest so far kept (the first on a tie):
-        # one candidate's bytes and temporaries at a time beside the best
-        cands: list[tuple[Codec, Callable[[], bytes]]] = []
-        if self._v2 is None:
-            cands.append((XOR_SPARSE, lambda: self.xor_sparse(positions, masks)))
-            if dense:
-                cands += [
-                    (XOR_DENSE, lambda: self.xor_dense(old ^ new)),
-                    (RAW, lambda: self.raw(new)),
-                ]
+        count = int(positions.size)
+        # each candidate encoded in turn, only the smallest so far kept (the first in the
+        # order above on a tie): one candidate's bytes and temporaries at a time beside the
+        # best; the codecs of every word first (their temporaries are the largest)
+        dense = count * 16 > new.size
+        v2 = self._v2
+        # (rank in the order above, codec, encoder)
+        cands: list[tuple[int, Codec, Callable[[], bytes]]] = []
+        if dense and v2 is None:
+            cands += [
+                (1, XOR_DENSE, lambda: self.xor_dense(old ^ new)),
+                (2, RAW, lambda: self.raw(new)),
+            ]
+        elif dense and v2 is not None:
+            cands += [
+                (2, XOR_DENSE, lambda: v2.xor_dense(old ^ new)),
+                (3, RAW_PLANES, lambda: v2.raw_planes(new)),
+            ]
+        best: tuple[int, Codec, bytes] | None = None
+        for rank, codec, encode in cands:
+            best = _smaller(best, (rank, codec, encode()))
+        if v2 is None:
+            best = _smaller(best, (0, XOR_SPARSE, self.xor_sparse(positions, masks)))
         else:
-            v2 = self._v2
-            cands.append((XOR_SPARSE2, lambda: v2.xor_sparse2(positions, masks)))
-            if positions.size <= V1_MAX_CHANGES:
-                cands.append((XOR_SPARSE, lambda: self.xor_sparse(positions, masks)))
-            if dense:
-                cands.append((XOR_DENSE, lambda: v2.xor_dense(old ^ new)))
-                cands.append((RAW_PLANES, lambda: v2.raw_planes(new)))
-        best: tuple[Codec, bytes] | None = None
-        for codec, encode in cands:
-            data = encode()
-            if best is None or len(data) < len(best[1]):
-                best = (codec, data)
-            del data
+            best = _smaller(best, (0, XOR_SPARSE2, v2.xor_sparse2(positions, masks)))
+            if count <= V1_MAX_CHANGES:
+                best = _smaller(best, (1, XOR_SPARSE, self.xor_sparse(positions, masks)))
         assert best is not None
-        return best
+        return best[1], best[2]
+
+
+def _smaller(
+    best: tuple[int, Codec, bytes] | None, cand: tuple[int, Codec, bytes]
+) -> tuple[int, Codec, bytes]:
+    """The smaller encoding; on a tie, the one of lower rank."""
+    if best is None or (len(cand[2]), cand[0]) < (len(best[2]), best[0]):
+        return cand
+    return best
 
 
 class FrameDecoder:

@@ -46,7 +46,7 @@ reusable buffers; use one instance per thread.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -56,6 +56,7 @@ from deltastore.errors import FrameError
 from deltastore.format.codecs.zstdframe import (
     MAX_WINDOW_SIZE,
     content_size,
+    one_shot,
 )
 from deltastore.format.dtypes import word_dtype
 
@@ -82,6 +83,8 @@ BLOCKS_MIN_CHANGES: Final = 256
 V1_MAX_CHANGES: Final = 64
 #: Bytes per step when streaming planes in and out of zstd.
 CHUNK_BYTES: Final = 1 << 20
+#: Gaps per step of :func:`position_sections` (an int64 buffer of 64 KiB).
+GAP_CHUNK: Final = 1 << 13
 
 _HEADER = struct.Struct("<IIB3s")
 
@@ -236,6 +239,61 @@ def position_parts(
     ]
 
 
+def position_sections(
+    positions: np.ndarray, codec: str, low_bits: int | None = None
+) -> list[bytes | memoryview]:
+    """What :func:`position_gaps` then :func:`position_parts` make of ``positions``, with the
+    header joined to the tokens: ``[header + tokens, *low-bit planes, *escape planes]``, the
+    same bytes and the same :class:`ValueError` s. The gaps are made
+    :data:`CHUNK_BYTES` positions at a time (never an int64 array of every gap): beside its
+    output it allocates a few MiB at most, whatever the number of positions."""
+    k = int(positions.size)
+    if int(positions[0]) < 0 or int(positions[-1]) >= MAX_SPARSE2_ELEMENTS:
+        raise ValueError(f"{codec} positions must be in [0, 2^32 - 1)")
+    if low_bits is None:
+        low_bits = choose_low_bits(k, int(positions[-1]) + 1)
+    if not 0 <= low_bits <= MAX_LOW_BITS:
+        raise ValueError(f"low_bits must be in 0..{MAX_LOW_BITS}")
+    width = _low_width(low_bits)
+    first = np.empty(SPARSE2_HEADER + k, dtype=np.uint8)  # the header, then the tokens
+    tokens = first[SPARSE2_HEADER:]
+    low = (
+        np.empty(k, dtype=np.uint8 if width == 1 else word_dtype(2 if width == 2 else 4))
+        if width
+        else None
+    )
+    escaped: list[np.ndarray] = []
+    gaps = np.empty(min(k, GAP_CHUNK), dtype=np.int64)
+    prev = -1
+    for a in range(0, k, GAP_CHUNK):
+        pos = positions[a : a + GAP_CHUNK]
+        g = gaps[: pos.size]
+        g[0] = int(pos[0]) - prev
+        np.subtract(pos[1:], pos[:-1], out=g[1:], dtype=np.int64)
+        g -= 1
+        if int(g.min()) < 0:
+            raise ValueError(f"{codec} needs strictly increasing positions")
+        prev = int(pos[-1])
+        if low is not None:
+            np.bitwise_and(g, (1 << low_bits) - 1, out=low[a : a + pos.size], casting="unsafe")
+        if low_bits:
+            g >>= low_bits
+        t = tokens[a : a + pos.size]
+        np.minimum(g, ESCAPE, out=t, casting="unsafe")
+        high = g[t == ESCAPE]
+        if high.size:
+            high -= ESCAPE
+            escaped.append(high.astype("<u4"))
+    esc = np.concatenate(escaped) if escaped else np.empty(0, dtype="<u4")
+    first[:SPARSE2_HEADER] = np.frombuffer(
+        _HEADER.pack(k, int(esc.size), low_bits, b"\0\0\0"), dtype=np.uint8
+    )
+    planes: list[bytes | memoryview] = []
+    if low is not None:
+        planes += [low.tobytes()] if width == 1 else byte_planes(low)[:width]
+    return [first.data, *planes, *(byte_planes(esc) if esc.size else [])]
+
+
 def read_header(raw: bytes, n: int, codec: str) -> tuple[int, int, int]:
     """``(k, e, L)`` of the 12-byte header at the start of a decompressed ``xor-sparse2`` or
     ``xor-patch`` frame of ``n`` elements; :class:`FrameError` for non-zero reserved bytes,
@@ -315,12 +373,12 @@ class FrameEncoder2:
         else:
             self._cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
 
-    def compress_parts(self, parts: list[bytes], *, blocks: bool = True) -> bytes:
+    def compress_parts(self, parts: Sequence[bytes | memoryview], *, blocks: bool = True) -> bytes:
         """One zstd frame of the concatenated parts; with ``blocks``, each part starts a new
         zstd block (its own Huffman table). Shared with ``xor-patch``."""
         if not blocks:
-            return bytes(self._cctx.compress(b"".join(parts)))
-        parts = [part for part in parts if part]
+            return one_shot(self._cctx, b"".join(parts))
+        parts = [part for part in parts if len(part)]
         obj = self._cctx.compressobj(size=sum(len(part) for part in parts))
         out: list[bytes] = []
         for i, part in enumerate(parts):
@@ -342,14 +400,10 @@ class FrameEncoder2:
             raise ValueError("positions and masks differ in length")
         if k == 0:
             return self.compress_parts([_HEADER.pack(0, 0, 0, b"\0\0\0")], blocks=False)
-        pos, gaps = position_gaps(positions, XOR_SPARSE2)
+        parts = position_sections(positions, XOR_SPARSE2, low_bits)
         if not masks.all():
             raise ValueError("xor-sparse2 needs strictly increasing positions, non-zero masks")
-        header, parts = position_parts(pos, gaps, low_bits)
-        return self.compress_parts(
-            [header + parts[0], *parts[1:], *byte_planes(masks)],
-            blocks=k >= BLOCKS_MIN_CHANGES,
-        )
+        return self.compress_parts([*parts, *byte_planes(masks)], blocks=k >= BLOCKS_MIN_CHANGES)
 
     def raw_planes(self, new: np.ndarray) -> bytes:
         """``raw-planes`` frame of the new words (1-D unsigned words), streamed plane by
@@ -369,7 +423,7 @@ class FrameEncoder2:
 
     def xor_dense(self, xor: np.ndarray) -> bytes:
         """Format v1 ``xor-dense`` frame of the full XOR words."""
-        return bytes(self._cctx.compress(np.ascontiguousarray(xor).view(np.uint8).data))
+        return one_shot(self._cctx, np.ascontiguousarray(xor).view(np.uint8).data)
 
 
 class FrameDecoder2:
