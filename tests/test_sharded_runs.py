@@ -307,3 +307,53 @@ def test_resume_abandons_a_crashed_runs_parts_and_a_late_commit_says_so(tmp_path
     assert sub.tensors is not None
     for name, p in model.named_parameters():
         assert torch.equal(sub.tensors[name], p.detach()), name
+
+
+def test_a_zombie_module_writer_is_fenced_and_gc_collects_its_parts(tmp_path: Path) -> None:
+    """Two ModuleWriters in one one-rank group: the first keeps running after the second
+    (a restart) registered. The zombie's step is refused with SupersededRunError and
+    commits nothing; the new run's step commits; gc removes the zombie's part and data."""
+    import torch
+    import torch.distributed as dist
+
+    from deltastore import DeltastoreError, ModuleWriter
+
+    store = local(tmp_path)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 32), torch.nn.Linear(32, 8))
+    kw: dict[str, Any] = {"timeout_s": 2.0, "poll_s": 0.02, **OPTIONS}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        zombie = ModuleWriter(store, model, **kw)
+        first = zombie.resume()
+        assert (first.head, first.kind, first.abandoned) == (None, "anchor", ())
+        assert zombie.step().version == 1
+        new = ModuleWriter(store, model, **kw)  # the restart, while the old job still runs
+        assert current_run(store) == new.run != zombie.run
+        assert (new.resume().head, new.version) == (1, 1)
+        with torch.no_grad():
+            model[0].weight[5] += 1.0
+        with pytest.raises(SupersededRunError, match=zombie.run):
+            zombie.step()
+        assert not store.exists(manifest_key(2))
+        left = part_keys(store, 2, zombie.run)
+        assert len(left) == 1
+        objects = {
+            f["object"]
+            for t in json.loads(store.get(left[0]))["tensors"].values()
+            for f in t["frames"]
+        }
+        assert new.step().version == 2
+        removed = set(gc(store, orphans=True).removed)
+        assert {*left, *objects} <= removed
+        with pytest.raises(DeltastoreError):  # still nothing from the zombie
+            zombie.step()
+        assert not store.exists(manifest_key(3))
+    finally:
+        dist.destroy_process_group()
+    assert verify_store(store, deep=True).ok
+    sub = Subscriber(store, lease_ttl=None)
+    assert sub.sync().version == 2
+    assert sub.tensors is not None
+    for name, p in model.named_parameters():
+        assert torch.equal(sub.tensors[name], p.detach()), name
