@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -127,7 +127,9 @@ class ModuleWriter:
             else set()
         )
         self._snapfree = snapfree
-        self._anchor_next = False
+        #: Why the next publish is an anchor, as :meth:`resume` decided (None: as usual).
+        self._anchor_next: str | None = None
+        self._tried: int | None = None  # the newest version this writer published or tried
         if self.rank == committer:
             register_run(self.store, self.run, self.world)
         self._barrier()  # no rank publishes before the run is current
@@ -285,20 +287,20 @@ class ModuleWriter:
                 why = f"rank {self.rank}: {exc}"
         whys = [w for w in self._gather(why) if w is not None]
         reason = whys[0] if whys else None
-        self._anchor_next = reason is not None and head is not None
+        self._anchor_next = reason if head is not None else None
         kind: Literal["anchor", "delta"] = "anchor" if reason is not None else "delta"
         if reason is not None and head is not None:
             log.warning("resume at version %d: the next version is an anchor (%s)", head, reason)
         return ResumeReport(head, kind, tuple(sorted(set(abandoned))), reason)
 
     def next_version(self) -> int:
-        """One above the version held, or above the store's newest version before the
-        first step (every rank reads the same between steps)."""
+        """One above the version held and the last one this writer tried (a version given
+        up is never committed later), or above the store's newest version before the first
+        step (every rank reads the same between steps)."""
         held = self.writer.version
-        if held is not None:
-            return held + 1
-        head = head_version(self.store)
-        return 1 if head is None else head + 1
+        if held is None:
+            held = head_version(self.store)
+        return max(held or 0, self._tried or 0) + 1
 
     def publish(
         self,
@@ -313,18 +315,24 @@ class ModuleWriter:
         (an abort marker), so that :meth:`commit` and the other ranks' :meth:`finish` stop
         at once instead of at their timeout."""
         version = self.next_version() if version is None else version
-        if anchor is None and self._anchor_next:
-            anchor = True
+        resumed = anchor is None and self._anchor_next is not None
         try:
             report = self.writer.publish(
-                self.slices(), version=version, anchor=anchor, progress=progress
+                self.slices(),
+                version=version,
+                anchor=True if resumed else anchor,
+                progress=progress,
             )
         except Exception as exc:
             write_abort(
                 self.store, version, self.run, f"rank {self.rank}: {type(exc).__name__}: {exc}"
             )
             raise
-        self._anchor_next = False
+        finally:
+            self._tried = max(self._tried or 0, version)
+        if resumed:
+            report = replace(report, anchor_reason=f"resume: {self._anchor_next}")
+        self._anchor_next = None
         return report
 
     def commit(self, version: int) -> Manifest | None:

@@ -4,19 +4,24 @@ Each trainer rank owns dim-0 row slices of some global tensors (rows ``[a, b)`` 
 tensor are its flat elements ``[a * r, b * r)``, ``r`` being the product of the other
 dimensions). One :class:`ShardWriter` per rank detects and encodes the changes of its slices
 as a :class:`~deltastore.Publisher` does, uploads the frames (at global element positions)
-under the version's data prefix, and writes a *part* describing its slices.
-:func:`commit_parts`, run for each version by one process, waits for the parts of all writers,
-checks that they tile every tensor and name one parent, and commits an ordinary format-v1
-manifest. Every writer then calls :meth:`ShardWriter.finish`, which moves its snapshot to the
-version once it is committed; until then a writer stays at its previous version.
+under the version's data prefix, and writes a *part* describing its slices (and its slices of
+the version's anchor copy, when the anchor policy asks for one). :func:`commit_parts`, run for
+each version by one process, waits for the parts of all writers, checks that they tile every
+tensor and name one parent, and commits an ordinary format-v1 manifest. Every writer then
+calls :meth:`ShardWriter.finish`, which moves its snapshot to the version once it is
+committed; until then a writer stays at its previous version. :class:`ModuleWriter`
+(:mod:`deltastore.publish.module_writer`) drives all of this for a torch.distributed module.
 
-Keys, under the version's data prefix (readers ignore objects that no manifest names):
+Keys (readers ignore objects that no manifest names; :mod:`deltastore.publish.runs`):
 
-- ``versions/<version:020d>/parts/<rank:06d>-of-<world:06d>.json``: a writer's :class:`Part`,
+- ``versions/<v:020d>/parts/<run>/<rank:06d>-of-<world:06d>.json``: a writer's :class:`Part`
+  (``versions/<v:020d>/parts/<rank:06d>-of-<world:06d>.json`` for writers without a run),
   created if absent; deleted after the commit (best effort);
-- ``versions/<version:020d>/parts/abort.json``: written by :func:`commit_parts` when it gives
-  the version up (a part missing at the timeout, or bad parts); :func:`commit_parts` never
-  commits a version that has it, and :meth:`ShardWriter.finish` stops waiting when it appears.
+- ``versions/<v:020d>/parts/<run>/abort.json`` (``parts/abort.json`` without a run): the
+  version given up (a part missing at the timeout, bad parts, a writer that failed, a restart
+  that abandoned it); :func:`commit_parts` never commits it, :meth:`ShardWriter.finish` stops
+  waiting when it appears;
+- ``runs/<seq:020d>.json``: run records; only the newest run's parts are committed.
 """
 
 from __future__ import annotations
@@ -41,15 +46,16 @@ from deltastore.errors import (
     TensorMismatchError,
     VersionExistsError,
 )
-from deltastore.format.checksum import adler32, combine_frames
+from deltastore.format.checksum import combine_frames
 from deltastore.format.keys import anchor_key, manifest_key
-from deltastore.format.manifest import Frame, Manifest, Parent, TensorEntry, parse_manifest
+from deltastore.format.manifest import Manifest, Parent, TensorEntry, parse_manifest
 from deltastore.progress import ProgressFn
 from deltastore.publish.commit import conditional_writes, stored_bytes
 from deltastore.publish.parts import Part, PartTensor, commit_parts, parse_part, wait_committed
 from deltastore.publish.policy import AnchorCosts
 from deltastore.publish.publisher import ChainWriter, Pending, PublishReport, table_entry
 from deltastore.publish.runs import abort_key, check_run_id, part_key, parts_prefix
+from deltastore.publish.slice_check import check_slices, words_adler
 from deltastore.publish.snapshot import TensorSums, row_range
 from deltastore.store import Store
 from deltastore.tensors.dtypes import np_words
@@ -430,8 +436,8 @@ class ShardWriter(ChainWriter):
         host = {n: np_words(s.tensor.detach().cpu().contiguous()) for n, s in slices.items()}
         sums = {n: self._checksums(w) for n, w in host.items()}
         ranges = {n: row_range(specs[n][1], rows[n]) for n in host}
-        readers = {n: partial(_words_adler, w) for n, w in host.items()}
-        _check_slices(self.store, manifest, readers, ranges, {n: s.whole for n, s in sums.items()})
+        readers = {n: partial(words_adler, w) for n, w in host.items()}
+        check_slices(self.store, manifest, readers, ranges, {n: s.whole for n, s in sums.items()})
         self._inflight = None
         self._held.replace(manifest.version, manifest.state_digest, host, specs, sums, rows)
         return manifest.version
@@ -473,9 +479,9 @@ class ShardWriter(ChainWriter):
             else:
                 held[name] = it.words()
                 sums[name] = self._checksums(held[name])
-                readers[name] = partial(_words_adler, held[name])
+                readers[name] = partial(words_adler, held[name])
         ranges = {n: row_range(items[n].spec[1], rows[n]) for n in items}
-        _check_slices(self.store, manifest, readers, ranges, {n: s.whole for n, s in sums.items()})
+        check_slices(self.store, manifest, readers, ranges, {n: s.whole for n, s in sums.items()})
         self._inflight = None
         specs = {n: it.spec for n, it in items.items()}
         self._held.replace(manifest.version, manifest.state_digest, held, specs, sums, rows)
@@ -508,11 +514,6 @@ def _copy_bytes(pending: Pending) -> int | None:
     return None if copy is None else sum(f.length for e in copy.values() for f in e.frames)
 
 
-def _words_adler(words: np.ndarray, start: int, stop: int) -> int:
-    """Adler-32 of ``words[start:stop]``."""
-    return adler32(words[start:stop])
-
-
 def _part_tensor(e: TensorEntry, rows: Rows) -> PartTensor:
     start, stop = row_range(e.shape, rows)
     return PartTensor(
@@ -527,81 +528,6 @@ def _part_tensor(e: TensorEntry, rows: Rows) -> PartTensor:
         changed=e.changed,
         frames=e.frames,
     )
-
-
-def _check_slices(
-    store: Store,
-    manifest: Manifest,
-    host: Mapping[str, Callable[[int, int], int]],
-    ranges: Mapping[str, Rows],
-    totals: Mapping[str, int],
-) -> None:
-    """:class:`TensorMismatchError` unless every slice (``host[n](a, b)``: the Adler-32 of
-    its words ``[a, b)``, slice-local; elements ``ranges[n]``; Adler-32 ``totals[n]``) is at
-    ``manifest``'s version."""
-    bad: list[str] = []
-    todo: dict[str, list[Rows]] = {}  # element ranges not checked yet
-    for name, (a, b) in ranges.items():
-        if (a, b) == (0, manifest.tensors[name].numel):
-            if totals[name] != manifest.tensors[name].adler32:
-                bad.append(name)
-        elif a < b:
-            todo[name] = [(a, b)]
-    m = manifest
-    while todo:
-        for name, gaps in list(todo.items()):
-            entry = m.tensors.get(name)
-            left = (
-                _match_frames(entry.frames, gaps, host[name], ranges[name][0])
-                if entry is not None
-                else None
-            )
-            if left is None:
-                bad.append(name)
-            if not left:
-                del todo[name]
-            else:
-                todo[name] = left
-        if not todo or m.kind == "anchor" or m.parent is None:
-            break
-        try:
-            m = parse_manifest(store.get(manifest_key(m.parent.version)))
-        except ObjectNotFoundError:
-            break
-    bad.extend(todo)  # rows that no frame down the chain stored
-    if bad:
-        raise TensorMismatchError(
-            f"{len(bad)} slices are not at version {manifest.version} ({', '.join(bad[:5])}): "
-            "their bytes differ from the frames that stored them, or those frames do not align "
-            "with the slices (after a change of sharding: publish an anchor from every writer)"
-        )
-
-
-def _match_frames(
-    frames: Sequence[Frame], gaps: list[Rows], words: Callable[[int, int], int], offset: int
-) -> list[Rows] | None:
-    """Check ``words`` (the Adler-32 of a range of the slice's words, whose element 0 is
-    ``offset``) against the ``frames`` that fall in
-    ``gaps`` (sorted element ranges not checked yet); return the ranges still unchecked, or
-    None on a mismatch or a frame that straddles a gap's edge."""
-    left: list[Rows] = []
-    i = 0
-    for lo, hi in gaps:
-        while i < len(frames) and frames[i].stop <= lo:
-            i += 1
-        pos = lo
-        while i < len(frames) and frames[i].start < hi:
-            f = frames[i]
-            if f.start < lo or f.stop > hi:
-                return None
-            if words(f.start - offset, f.stop - offset) != f.adler32:
-                return None
-            if f.start > pos:
-                left.append((pos, f.start))
-            pos, i = f.stop, i + 1
-        if pos < hi:
-            left.append((pos, hi))
-    return left
 
 
 __all__ = [
