@@ -23,9 +23,11 @@ from deltastore.format.checksum import adler32, apply_delta, delta_sums
 from deltastore.format.codecs import NEW_WORDS_CODECS, RAW, Codec, CodecSet, FrameEncoder
 from deltastore.format.codecs.v2 import V1_MAX_CHANGES
 from deltastore.format.manifest import Frame
-from deltastore.publish.snapshot import FrameChange
+from deltastore.publish.snapshot import BITMAP_DENSITY, FrameChange
 
-#: Elements per step when a dense frame's changes are gathered (:func:`_changes`).
+#: At most 1/this of the words of a publish are encoded at once (:meth:`FrameEncoders.map`).
+ENCODE_SHARE = 4
+#: Elements per step when a frame is compared and its changes gathered (:func:`_changes`).
 SCAN_ELEMENTS = 1 << 13
 
 J = TypeVar("J")
@@ -103,15 +105,23 @@ class FrameEncoders:
             enc = self._local.encoder = FrameEncoder(self._level, codecs=self._codecs)
         return enc
 
-    def _diff(self, old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, int]:
-        """Where the words differ, as a bool map in this thread's reused buffer (valid until
-        the thread's next frame), and how many differ."""
+    def _scan(self) -> np.ndarray:
+        """This thread's bool buffer of :data:`SCAN_ELEMENTS` (a frame's comparisons are made
+        that many words at a time: no bool map of a whole frame)."""
         ne: np.ndarray | None = getattr(self._local, "ne", None)
-        if ne is None or ne.size < new.size:
-            ne = self._local.ne = np.empty(new.size, dtype=np.bool_)
-        out = ne[: new.size]
-        np.not_equal(old, new, out=out)
-        return out, int(np.count_nonzero(out))
+        if ne is None:
+            ne = self._local.ne = np.empty(SCAN_ELEMENTS, dtype=np.bool_)
+        return ne
+
+    def _count(self, old: np.ndarray, new: np.ndarray) -> int:
+        """How many words differ."""
+        buf, k = self._scan(), 0
+        for a in range(0, new.size, SCAN_ELEMENTS):
+            b = min(a + SCAN_ELEMENTS, new.size)
+            ne = buf[: b - a]
+            np.not_equal(old[a:b], new[a:b], out=ne)
+            k += int(np.count_nonzero(ne))
+        return k
 
     def encode(self, job: FrameJob) -> Encoded:
         """Detect, checksum and encode one frame (any thread)."""
@@ -136,83 +146,118 @@ class FrameEncoders:
             return Encoded(
                 new.size, adler32(new), codec, data, digest, None, 0.0, time.perf_counter() - t0
             )
-        ne, k = self._diff(old, new)
+        k = self._count(old, new)
         t1 = time.perf_counter()
         change: FrameChange | None = None
         if not (job.delta and parent_adler is not None):  # the new words, and the changes
             if k:
-                change = FrameChange.of(ne, *_changes(ne, old, new, k))
+                change = _changes(self._scan(), old, new, k)
             value = adler32(new)
             codec, data = self._encoder().new_words(new)
         elif not k:  # unchanged: nothing stored
             return Encoded(0, parent_adler, RAW, None, "", None, t1 - t0, 0.0)
         else:
-            found: tuple[np.ndarray, np.ndarray] | None = None
+            change = _changes(self._scan(), old, new, k)
+            positions, masks = change.positions(), change.masks
             if k * 8 <= new.size:
                 # few words changed: the Adler-32 in O(changed) from the parent's (the
                 # snapshot was checked against it)
-                pos64 = np.flatnonzero(ne)
-                old_at, new_at = old[pos64], new[pos64]
+                pos64 = positions.astype(np.int64)
+                old_at = old[pos64]
+                new_at = old_at ^ masks
                 value = apply_delta(parent_adler, *delta_sums(pos64, old_at, new_at, new.nbytes))
-                found = (pos64.astype(np.uint32), np.bitwise_xor(old_at, new_at, out=old_at))
-                del pos64, old_at, new_at
+                del old_at, new_at
+                if k <= V1_MAX_CHANGES:  # xor-sparse (tried on a few changes) wants int64
+                    positions = pos64
+                del pos64
             else:
                 value = adler32(new)
-            positions, masks = found if found is not None else _changes(ne, old, new, k)
-            found = None
-            change = FrameChange.of(ne, positions, masks)
-            if k <= V1_MAX_CHANGES:  # xor-sparse (tried on a few changes) wants int64 ones
-                positions = positions.astype(np.int64)
             codec, data = self._encoder().encode_delta(old, new, positions, masks=masks)
             del positions, masks
         digest = xxhash.xxh3_64_hexdigest(data)
-        return Encoded(k, value, codec, data, digest, change, t1 - t0, time.perf_counter() - t1)
+        kept = None if change is None else change.held()  # the positions dropped
+        return Encoded(k, value, codec, data, digest, kept, t1 - t0, time.perf_counter() - t1)
 
     def encoder(self) -> FrameEncoder:
         """The calling thread's :class:`FrameEncoder` (created on first use)."""
         return self._encoder()
 
-    def map(self, jobs: Iterable[FrameJob]) -> Generator[Encoded, None, None]:
-        """:meth:`encode` every job, results in job order; at most ``2 * workers`` ahead. A
-        caller that may stop early closes the generator itself (its pool shuts down then)."""
-        return self.run(self.encode, jobs)
+    def map(
+        self, jobs: Iterable[FrameJob], *, words: int | None = None
+    ) -> Generator[Encoded, None, None]:
+        """:meth:`encode` every job, results in job order; at most ``2 * workers`` ahead, and,
+        given the ``words`` of all the jobs together, no job started while the frames started
+        and not yet yielded hold more than ``words /`` :data:`ENCODE_SHARE` words with it,
+        unless none is (a frame's encoding temporaries are a few bytes per word: this bounds
+        them to a fraction of what is published, one frame whatever its size). A caller that
+        may stop early closes the generator itself (its pool shuts down then)."""
+        if words is None:
+            return self.run(self.encode, jobs)
+        return self.run(self.encode, jobs, weight=_words, budget=words // ENCODE_SHARE)
 
-    def run(self, fn: Callable[[J], R], jobs: Iterable[J]) -> Generator[R, None, None]:
+    def run(
+        self,
+        fn: Callable[[J], R],
+        jobs: Iterable[J],
+        *,
+        weight: Callable[[J], int] | None = None,
+        budget: int | None = None,
+    ) -> Generator[R, None, None]:
         """``fn(job)`` for every job on the worker threads (``fn`` may call :meth:`encoder`),
-        results in job order, at most ``2 * workers`` ahead; closing the generator shuts the
-        pool down."""
+        results in job order, at most ``2 * workers`` ahead and, with ``weight`` and
+        ``budget``, no job started while those started and not yet yielded weigh more than
+        ``budget`` together with it (unless none is); closing the generator shuts the pool
+        down."""
         if self._workers == 1:
             yield from map(fn, jobs)
             return
         with ThreadPoolExecutor(self._workers, thread_name_prefix="deltastore-publish") as pool:
-            ahead: deque[Future[R]] = deque()
+            ahead: deque[tuple[Future[R], int]] = deque()
+            held = 0
             for job in jobs:
-                ahead.append(pool.submit(fn, job))
-                if len(ahead) >= 2 * self._workers:
-                    yield ahead.popleft().result()
+                w = 0 if weight is None else weight(job)
+                while ahead and (
+                    len(ahead) >= 2 * self._workers or (budget is not None and held + w > budget)
+                ):
+                    fut, done = ahead.popleft()
+                    held -= done
+                    yield fut.result()
+                ahead.append((pool.submit(fn, job), w))
+                held += w
             while ahead:
-                yield ahead.popleft().result()
+                yield ahead.popleft()[0].result()
 
 
-def _changes(
-    ne: np.ndarray, old: np.ndarray, new: np.ndarray, k: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """The ``k`` positions (uint32, ascending) where the bool map ``ne`` is set and the XOR
-    masks ``old ^ new`` there, gathered :data:`SCAN_ELEMENTS` at a time: no int64 position
-    list of the whole frame (8 bytes per change) is ever held."""
+def _words(job: FrameJob) -> int:
+    """A job's weight in :meth:`FrameEncoders.map`: its words."""
+    return int(job.new.size)
+
+
+def _changes(buf: np.ndarray, old: np.ndarray, new: np.ndarray, k: int) -> FrameChange:
+    """The frame's ``k >= 1`` changes (:class:`FrameChange`: uint32 positions, or a bitmap,
+    and the XOR masks), compared and gathered ``buf.size`` words at a time (``buf``: a bool
+    buffer, a multiple of 8 long): beside what it returns, no array of the whole frame (an
+    int64 position list, a bool map) is made. The positions are made even when the bitmap is
+    kept (:meth:`FrameChange.positions` returns them while nothing else holds them)."""
+    n, step = int(new.size), int(buf.size)
     positions = np.empty(k, dtype=np.uint32)
     masks = np.empty(k, dtype=new.dtype)
+    bits = np.empty(-(-n // 8), dtype=np.uint8) if k * BITMAP_DENSITY > n else None
     done = 0
-    for a in range(0, new.size, SCAN_ELEMENTS):
-        b = min(a + SCAN_ELEMENTS, new.size)
-        at = np.flatnonzero(ne[a:b])
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        ne = buf[: b - a]
+        np.not_equal(old[a:b], new[a:b], out=ne)
+        if bits is not None:
+            bits[a // 8 : -(-b // 8)] = np.packbits(ne)
+        at = np.flatnonzero(ne)
         m = int(at.size)
         if m:
             np.bitwise_xor(old[a:b][at], new[a:b][at], out=masks[done : done + m])
             at += a
             positions[done : done + m] = at
             done += m
-    return positions, masks
+    return FrameChange(n, positions if bits is None else bits, masks, bits is not None, positions)
 
 
 __all__ = ["Encoded", "FrameEncoders", "FrameJob", "FullFrame"]

@@ -383,10 +383,11 @@ class ChainWriter:
                         full,
                     )
 
+        total = sum(w.size for w in host.values())  # a share of them encoded at once
         # closed here, not by the garbage collector: an encoder pool shut down from a
         # finalizer (after an upload failed) can run inside another thread's start-up and
         # deadlock on threading's own locks
-        with contextlib.closing(self._encoders.map(jobs())) as results:
+        with contextlib.closing(self._encoders.map(jobs(), words=total)) as results:
             for name, words in host.items():
                 prev = parent_state[name] if parent_state is not None else None
                 start = row_range(specs[name][1], rows[name])[0] if rows else 0

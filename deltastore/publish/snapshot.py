@@ -62,27 +62,33 @@ class FrameChange:
     """The changes of one frame of ``n`` words, frame-local, as compact as they come: where
     they are (``where``: uint32 ascending positions, or with ``bitmap`` a
     :func:`numpy.packbits` bitmap of the ``n`` elements, big-endian bit order) and their XOR
-    ``masks`` (``old ^ new``, never zero, in position order). Memory: ``min(4, n / 8k) + s``
-    bytes per change of ``s``-byte words (the int64 positions and new words it replaces took
-    ``8 + s``). Immutable; :meth:`apply` is thread-safe on distinct targets."""
+    ``masks`` (``old ^ new``, never zero, in position order). Held: ``min(4, n / 8k) + s``
+    bytes per change of ``s``-byte words. ``found``: the uint32 positions as the encoder found
+    them, for the frame's encoding only (:meth:`positions`; dropped from what is held by
+    :meth:`held`). Immutable; :meth:`apply` is thread-safe on distinct targets."""
 
     n: int
     where: np.ndarray
     masks: np.ndarray
     bitmap: bool
+    found: np.ndarray | None = None
 
-    @classmethod
-    def of(cls, ne: np.ndarray, positions: np.ndarray, masks: np.ndarray) -> FrameChange:
-        """From the frame's bool change map ``ne`` (read here, not kept), its uint32
-        ``positions`` (kept when they are the smaller) and ``masks``."""
-        n = int(ne.size)
-        if positions.size * BITMAP_DENSITY > n:
-            return cls(n, np.packbits(ne), masks, True)
-        return cls(n, positions, masks, False)
+    def positions(self) -> np.ndarray:
+        """The uint32 positions of the changes (made from the bitmap if they were dropped)."""
+        if self.found is not None:
+            return self.found
+        if not self.bitmap:
+            return self.where
+        at = np.unpackbits(self.where, count=self.n).view(np.bool_)
+        return np.flatnonzero(at).astype(np.uint32)
+
+    def held(self) -> FrameChange:
+        """This change without the encoder's positions (what a writer keeps until its commit)."""
+        return FrameChange(self.n, self.where, self.masks, self.bitmap)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held."""
+        """Bytes held (the encoder's positions not counted)."""
         return int(self.where.nbytes + self.masks.nbytes)
 
     def apply(self, words: np.ndarray) -> None:
