@@ -1,9 +1,11 @@
 """``deltastore bench``: deltastore against dense, COO and xor-dense baselines; with
 ``--mode trainer``, real AdamW steps each followed by a publish, snapshot-free beside the
-memory snapshot."""
+memory snapshot; with ``--mode sharded``, the memory of a sharded publish per rank and
+density of changes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -30,7 +32,8 @@ BenchSizeOpt = Annotated[
     typer.Option(
         case_sensitive=False,
         help="Synthetic model size.",
-        show_default="large; --mode trainer: the largest whose trainer fits in memory",
+        show_default="large; --mode trainer: the largest whose trainer fits in memory; "
+        "--mode sharded: a 2.56M-element model (fsdp-2.5m)",
     ),
 ]
 
@@ -39,14 +42,22 @@ def bench(
     ctx: typer.Context,
     size: BenchSizeOpt = None,
     mode: Annotated[
-        Literal["transfer", "trainer"],
+        Literal["transfer", "trainer", "sharded"],
         typer.Option(
             help="transfer: every system through every store; trainer: real AdamW steps on "
             "fp32 masters, each followed by a publish, the snapshot-free publisher beside the "
             "memory snapshot, each in a process of its own (local stores; publish time vs "
-            "optimizer.step(), extra RSS, payload).",
+            "optimizer.step(), extra RSS, payload); sharded: two ShardWriters, a process "
+            "each, publish bf16 row shards at each --densities (local store; peak memory over "
+            "the snapshot per rank, by RSS and tracemalloc, vs the shard's bf16 bytes).",
         ),
     ] = "transfer",
+    densities: Annotated[
+        str,
+        typer.Option(
+            help="--mode sharded: comma-separated shares of the elements changed per version."
+        ),
+    ] = "0.01,0.03,0.65",
     optimizer: Annotated[
         Literal["foreach", "fused", "single-tensor"],
         typer.Option(help="--mode trainer: the torch.optim.AdamW implementation."),
@@ -101,6 +112,9 @@ def bench(
 
     quiet = settings(ctx).quiet
     log = (lambda _: None) if quiet else (lambda m: err_console.print(Text(m), highlight=False))
+    if mode == "sharded":
+        _sharded(size, densities, versions, seed, workdir, log, json_path, markdown_path)
+        return
     if mode == "trainer":
         from deltastore.bench.trainer import TrainerOptions
 
@@ -170,6 +184,49 @@ def _trainer(
 
     result = run_trainer(options)
     report = trainer_markdown(result)
+    if json_path is not None:
+        json_path.write_text(result.model_dump_json(indent=1) + "\n")
+    if markdown_path is not None:
+        markdown_path.write_text(report)
+    settle()
+    out_console.print(Text(report), highlight=False, end="")
+    if not result.exact:
+        raise typer.Exit(EXIT_MISMATCH)
+
+
+def _sharded(
+    size: str | None,
+    densities: str,
+    versions: int,
+    seed: int,
+    workdir: Path | None,
+    log: Callable[[str], None],
+    json_path: Path | None,
+    markdown_path: Path | None,
+) -> None:
+    """``--mode sharded``: run (``--versions`` versions per density and measure), write the
+    JSON and markdown, print the report."""
+    from deltastore.bench.sharded import ShardedOptions, run_sharded, sharded_markdown
+
+    try:
+        shares = [float(d) for d in densities.split(",") if d.strip()]
+    except ValueError:
+        raise typer.BadParameter(
+            f"not a list of numbers: {densities!r}", param_hint="--densities"
+        ) from None
+    if not shares or not all(0 < d <= 1 for d in shares):
+        raise typer.BadParameter("each density must be in (0, 1]", param_hint="--densities")
+    result = run_sharded(
+        ShardedOptions(
+            size=size or "fsdp-2.5m",
+            densities=shares,
+            repeats=versions,
+            seed=seed,
+            workdir=workdir,
+            log=log,
+        )
+    )
+    report = sharded_markdown(result)
     if json_path is not None:
         json_path.write_text(result.model_dump_json(indent=1) + "\n")
     if markdown_path is not None:
