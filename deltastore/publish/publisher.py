@@ -489,9 +489,12 @@ class ChainWriter:
         pending: Pending,
         *,
         incremental: bool,
+        owned: bool = False,
     ) -> None:
         """After ``manifest`` is committed: bring the snapshot to it, in O(changed) for a
-        delta. A failure to save only loses the parent for next time (logged)."""
+        delta. ``owned``: ``host`` holds the caller's own copies, which it gives up (a memory
+        snapshot keeps them instead of copying them again). A failure to save only loses the
+        parent for next time (logged)."""
         version, digest = manifest.version, manifest.state_digest
         sums = {
             n: TensorSums(pending.frame_adler[n], e.adler32) for n, e in pending.entries.items()
@@ -501,7 +504,7 @@ class ChainWriter:
                 self._held.update(version, digest, pending.updates, sums)
             else:
                 specs = {n: (e.dtype, e.shape) for n, e in pending.entries.items()}
-                self._held.replace(version, digest, host, specs, sums, pending.rows)
+                self._held.replace(version, digest, host, specs, sums, pending.rows, owned=owned)
         except OSError as exc:  # committed all the same: only the parent for next time is lost
             log.warning(
                 "version %d is committed, but the publisher state could not be saved (%s); "

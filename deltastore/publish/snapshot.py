@@ -145,9 +145,12 @@ class SavedState:
 class MemorySnapshot:
     """Copies in RAM; nothing survives the process. Base of the other snapshot stores."""
 
-    def replace(self, words: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """New storage holding copies of ``words``; returns the stored arrays."""
-        return {n: w.copy() for n, w in words.items()}
+    def replace(
+        self, words: dict[str, np.ndarray], *, owned: bool = False
+    ) -> dict[str, np.ndarray]:
+        """New storage holding copies of ``words`` (``owned``: the arrays themselves, which
+        the caller gives up: no copy); returns the stored arrays."""
+        return dict(words) if owned else {n: w.copy() for n, w in words.items()}
 
     def begin_update(self) -> None:
         """Mark the saved state as being changed (nothing is saved in memory)."""
@@ -197,10 +200,13 @@ class DiskSnapshot(MemorySnapshot):
             self._state_file.unlink(missing_ok=True)
             raise
 
-    def replace(self, words: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def replace(
+        self, words: dict[str, np.ndarray], *, owned: bool = False
+    ) -> dict[str, np.ndarray]:
         """Write ``words`` to a new ``snapshot.bin`` (its blocks reserved before it is mapped,
-        :func:`deltastore.store.space.reserve`) and map it; on error the new file is removed
-        and a full disk or quota raises :class:`~deltastore.errors.DiskFullError`."""
+        :func:`deltastore.store.space.reserve`) and map it (``owned`` makes no difference); on
+        error the new file is removed and a full disk or quota raises
+        :class:`~deltastore.errors.DiskFullError`."""
         self.dir.mkdir(parents=True, exist_ok=True)
         offsets, total = {}, 0
         for name, w in words.items():
@@ -357,11 +363,15 @@ class WriterState:
         specs: Mapping[str, tuple[str, list[int]]],
         sums: Mapping[str, TensorSums],
         rows: Mapping[str, tuple[int, int]],
+        *,
+        owned: bool = False,
     ) -> None:
         """Hold ``version``: copies of ``host`` (per tensor: ``specs`` dtype and shape, ``sums``
-        frame and whole Adler-32, ``rows`` where the words are row slices)."""
+        frame and whole Adler-32, ``rows`` where the words are row slices; ``owned``: the
+        arrays of ``host`` are the caller's own copies, which it gives up: a memory snapshot
+        keeps them as they are)."""
         self._snapshots.begin_update()
-        words = self._snapshots.replace(dict(host))
+        words = self._snapshots.replace(dict(host), owned=owned)
         self.tensors = {
             n: TensorState(*specs[n], words[n], sums[n].frames, sums[n].whole, rows=rows.get(n))
             for n in host
