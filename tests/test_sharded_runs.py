@@ -6,7 +6,10 @@ a newer run is registered (:func:`register_run`) an older run's commit raises
 :class:`SupersededRunError`; :func:`abandon_parts` writes abort records so that a late commit
 of an abandoned (version, run) is refused as a crashed run's; ``gc(orphans=True)`` removes the
 parts and data objects of aborted and superseded runs, on a local folder and on S3 (moto),
-whatever their version, and nothing a committed manifest names.
+whatever their version, and nothing a committed manifest names nor the current run's parts in
+flight. Two tests drive a one-rank :class:`ModuleWriter` (a gloo group in this process): its
+``resume()`` abandons a crashed run's part (a late commit says "crashed"), and a writer left
+running after a restart (a zombie) is fenced.
 """
 
 from __future__ import annotations
