@@ -12,6 +12,7 @@ Not thread-safe: one publishing thread calls :class:`PackWriter` and :class:`Upl
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -79,11 +80,16 @@ class Uploads:
 
 class PackWriter:
     """Concatenates encoded frames into data objects ``<prefix><seq:06d>.dsz`` of about
-    ``max_bytes`` and hands each full object to ``uploads``."""
+    ``max_bytes`` and hands each full object to ``uploads``.
+
+    Each frame is copied into the object's buffer as it is added (the caller may drop it),
+    and the buffer becomes the object without another copy (:meth:`io.BytesIO.getvalue`
+    hands over its bytes once they fill it): an object costs about its own size while it is
+    packed, not twice (its frames, then their join)."""
 
     def __init__(self, uploads: Uploads, prefix: str, max_bytes: int) -> None:
         self._uploads, self._prefix, self._max = uploads, prefix, max_bytes
-        self._parts: list[bytes] = []
+        self._buf = io.BytesIO()
         self._size = 0
         self._seq = 0
 
@@ -96,16 +102,18 @@ class PackWriter:
         if self._size and self._size + len(data) > self._max:
             self.flush()
         where = (self.key, self._size)
-        self._parts.append(data)
+        self._buf.write(data)
         self._size += len(data)
         return where
 
     def flush(self) -> None:
         """Hand the object being packed to the uploads (nothing when it is empty)."""
-        if not self._parts:
+        if not self._size:
             return
-        self._uploads.put(self.key, b"".join(self._parts))
-        self._parts, self._size, self._seq = [], 0, self._seq + 1
+        data = self._buf.getvalue()
+        self._buf = io.BytesIO()  # the old buffer's bytes now belong to the upload alone
+        self._uploads.put(self.key, data)
+        self._size, self._seq = 0, self._seq + 1
 
 
 __all__ = ["UPLOAD_WORKERS", "PackWriter", "Uploads"]
