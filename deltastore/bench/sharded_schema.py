@@ -56,6 +56,12 @@ class ShardedSample(_Model):
     publish_peak_bytes: int | None = None
     held_bytes: int | None = None
     codecs: dict[str, int] = {}
+    #: Why this version is an anchor or, for a delta, also has an anchor copy (the writers'
+    #: anchor policy, "cost" by default); None for a plain delta. ``anchor_copy_bytes``: this
+    #: rank's stored bytes of the copy (its rows' frames of new words), encoded in the same
+    #: pass as the delta.
+    anchor_reason: str | None = None
+    anchor_copy_bytes: int | None = None
 
 
 class RankRun(_Model):
@@ -75,9 +81,11 @@ class RankRun(_Model):
 class DensitySummary(_Model):
     """Per density (the anchor: ``density`` None), the largest of every rank's samples:
     ``rss_ratio`` and ``traced_ratio`` are peak bytes / the rank's shard bf16 bytes (the
-    largest over ranks and repeats), ``publish_s`` the slowest ``rss`` publish."""
+    largest over ranks and repeats), ``publish_s`` the slowest ``rss`` publish. Deltas that
+    also wrote an anchor copy are summarized on their own (``anchor_copy`` True)."""
 
     density: float | None
+    anchor_copy: bool = False
     changed_fraction: float
     rss_ratio: float
     traced_ratio: float
