@@ -118,7 +118,18 @@ class ModuleWriter:
         self.model, self.dtype, self.committer = model, dtype, committer
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self.run: str = self._broadcast(run or (new_run_id() if self.rank == committer else None))
-        self.writer = ShardWriter(url, self.rank, self.world, run=self.run, **options)
+        failed: str | None = None
+        try:
+            self.writer = ShardWriter(url, self.rank, self.world, run=self.run, **options)
+            if self.rank == committer:  # older runs can no longer commit
+                register_run(self.writer.store, self.run, self.world)
+        except Exception as exc:  # every rank learns it: none waits in a collective
+            failed = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            self._gather(failed)
+            raise
+        others = [f for f in self._gather(failed) if f is not None]
+        if others:
+            raise ChainError(f"ModuleWriter could not start on every rank: {others[0]}")
         self.store = self.writer.store
         optimizer = options.get("optimizer")
         self._optimized = (
@@ -130,9 +141,6 @@ class ModuleWriter:
         #: Why the next publish is an anchor, as :meth:`resume` decided (None: as usual).
         self._anchor_next: str | None = None
         self._tried: int | None = None  # the newest version this writer published or tried
-        if self.rank == committer:
-            register_run(self.store, self.run, self.world)
-        self._barrier()  # no rank publishes before the run is current
 
     @property
     def version(self) -> int | None:
@@ -161,9 +169,6 @@ class ModuleWriter:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, value, group=self.group)
         return out
-
-    def _barrier(self) -> None:
-        self._gather(None)
 
     # --- tensors --------------------------------------------------------------------------
 
