@@ -72,7 +72,7 @@ from deltastore.publish.snapshot import (
     WriterState,
     row_range,
 )
-from deltastore.publish.upload import PackWriter, Uploads
+from deltastore.publish.upload import PackWriter, Uploads, copy_object_bytes
 from deltastore.store import Store, open_store
 from deltastore.store.counting import CountingStore, critical_path
 from deltastore.tensors.dtypes import dtype_name, host_words
@@ -343,7 +343,9 @@ class ChainWriter:
         prefix = f"{data_prefix(version)}{self.token[:12]}-"
         uploads = Uploads(self._io, pending)
         packs = PackWriter(uploads, prefix, self._max_object_bytes)
-        copy_packs = PackWriter(uploads, f"{prefix}anchor-", self._max_object_bytes)
+        dense = sum(w.nbytes for w in host.values()) if full else 0
+        copy_size = copy_object_bytes(self._max_object_bytes, dense)
+        copy_packs = PackWriter(uploads, f"{prefix}anchor-", copy_size)
         try:
             self._pack(host, specs, parent_state, kind, progress, rows, pending, packs, copy_packs)
         except BaseException:

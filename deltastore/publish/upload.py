@@ -22,6 +22,19 @@ from deltastore.store import Store
 
 #: Data objects uploaded at once.
 UPLOAD_WORKERS = 4
+#: An anchor copy written beside a delta (a full anchor's bytes, in the same pass) is packed
+#: in objects of at most 1/this of the words published, from :data:`COPY_OBJECT_FLOOR` bytes
+#: up (:func:`copy_object_bytes`): they go to the store while the pass goes on instead of
+#: waiting, whole, for its end.
+COPY_OBJECT_SHARE = 8
+COPY_OBJECT_FLOOR = 1 << 20
+
+
+def copy_object_bytes(max_object_bytes: int, dense_bytes: int) -> int:
+    """Bytes per data object of an anchor copy encoded beside a delta of ``dense_bytes``
+    (bytes of the words published): ``max_object_bytes``, or less for a small publish
+    (:data:`COPY_OBJECT_SHARE`, :data:`COPY_OBJECT_FLOOR`)."""
+    return min(max_object_bytes, max(COPY_OBJECT_FLOOR, dense_bytes // COPY_OBJECT_SHARE))
 
 
 class Timing(Protocol):
@@ -116,4 +129,4 @@ class PackWriter:
         self._size, self._seq = 0, self._seq + 1
 
 
-__all__ = ["UPLOAD_WORKERS", "PackWriter", "Uploads"]
+__all__ = ["UPLOAD_WORKERS", "PackWriter", "Uploads", "copy_object_bytes"]
