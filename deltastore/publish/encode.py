@@ -28,7 +28,9 @@ from deltastore.publish.snapshot import BITMAP_DENSITY, FrameChange
 #: At most 1/this of the words of a publish are encoded at once (:meth:`FrameEncoders.map`).
 ENCODE_SHARE = 4
 #: Elements per step when a frame is compared and its changes gathered (:func:`_changes`).
-SCAN_ELEMENTS = 1 << 13
+SCAN_ELEMENTS = 1 << 16
+#: The fewest elements per step (a frame is compared in about 16 steps between the two).
+SCAN_MIN = 1 << 12
 
 J = TypeVar("J")
 R = TypeVar("R")
@@ -107,7 +109,7 @@ class FrameEncoders:
 
     def _scan(self) -> np.ndarray:
         """This thread's bool buffer of :data:`SCAN_ELEMENTS` (a frame's comparisons are made
-        that many words at a time: no bool map of a whole frame)."""
+        :func:`scan_step` words at a time: no bool map of a whole frame)."""
         ne: np.ndarray | None = getattr(self._local, "ne", None)
         if ne is None:
             ne = self._local.ne = np.empty(SCAN_ELEMENTS, dtype=np.bool_)
@@ -115,9 +117,9 @@ class FrameEncoders:
 
     def _count(self, old: np.ndarray, new: np.ndarray) -> int:
         """How many words differ."""
-        buf, k = self._scan(), 0
-        for a in range(0, new.size, SCAN_ELEMENTS):
-            b = min(a + SCAN_ELEMENTS, new.size)
+        buf, k, step = self._scan(), 0, scan_step(new.size)
+        for a in range(0, new.size, step):
+            b = min(a + step, new.size)
             ne = buf[: b - a]
             np.not_equal(old[a:b], new[a:b], out=ne)
             k += int(np.count_nonzero(ne))
@@ -233,13 +235,22 @@ def _words(job: FrameJob) -> int:
     return int(job.new.size)
 
 
+def scan_step(n: int) -> int:
+    """Words per step of comparing a frame of ``n`` words: about ``n / 16`` (a multiple of 8),
+    from :data:`SCAN_MIN` to :data:`SCAN_ELEMENTS` (few steps: numpy's per-call cost; small
+    ones: their temporaries, up to 8 bytes per changed word of a step)."""
+    return min(SCAN_ELEMENTS, max(SCAN_MIN, -(-n // 128) * 8))
+
+
 def _changes(buf: np.ndarray, old: np.ndarray, new: np.ndarray, k: int) -> FrameChange:
     """The frame's ``k >= 1`` changes (:class:`FrameChange`: uint32 positions, or a bitmap,
-    and the XOR masks), compared and gathered ``buf.size`` words at a time (``buf``: a bool
-    buffer, a multiple of 8 long): beside what it returns, no array of the whole frame (an
-    int64 position list, a bool map) is made. The positions are made even when the bitmap is
-    kept (:meth:`FrameChange.positions` returns them while nothing else holds them)."""
-    n, step = int(new.size), int(buf.size)
+    and the XOR masks), compared and gathered :func:`scan_step` words at a time (``buf``: a
+    bool buffer of at least :data:`SCAN_ELEMENTS`): beside what it returns, no array of the
+    whole frame (an int64 position list, a bool map) is made. The positions are made even
+    when the bitmap is kept (:meth:`FrameChange.positions` returns them while nothing else
+    holds them)."""
+    n = int(new.size)
+    step = scan_step(n)
     positions = np.empty(k, dtype=np.uint32)
     masks = np.empty(k, dtype=new.dtype)
     bits = np.empty(-(-n // 8), dtype=np.uint8) if k * BITMAP_DENSITY > n else None

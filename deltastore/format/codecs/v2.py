@@ -83,8 +83,10 @@ BLOCKS_MIN_CHANGES: Final = 256
 V1_MAX_CHANGES: Final = 64
 #: Bytes per step when streaming planes in and out of zstd.
 CHUNK_BYTES: Final = 1 << 20
-#: Gaps per step of :func:`position_sections` (an int64 buffer of 64 KiB).
-GAP_CHUNK: Final = 1 << 13
+#: Most gaps per step of :func:`position_sections` (an int64 buffer of 256 KiB); a step is
+#: about 1/16 of the positions, from :data:`GAP_CHUNK_MIN` up.
+GAP_CHUNK: Final = 1 << 15
+GAP_CHUNK_MIN: Final = 1 << 12
 
 _HEADER = struct.Struct("<IIB3s")
 
@@ -263,10 +265,11 @@ def position_sections(
         else None
     )
     escaped: list[np.ndarray] = []
-    gaps = np.empty(min(k, GAP_CHUNK), dtype=np.int64)
+    step = min(GAP_CHUNK, max(GAP_CHUNK_MIN, k // 16))
+    gaps = np.empty(min(k, step), dtype=np.int64)
     prev = -1
-    for a in range(0, k, GAP_CHUNK):
-        pos = positions[a : a + GAP_CHUNK]
+    for a in range(0, k, step):
+        pos = positions[a : a + step]
         g = gaps[: pos.size]
         g[0] = int(pos[0]) - prev
         np.subtract(pos[1:], pos[:-1], out=g[1:], dtype=np.int64)
