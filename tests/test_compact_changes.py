@@ -22,7 +22,7 @@ from deltastore.format.codecs.v2 import (
 )
 from deltastore.format.codecs.zstdframe import one_shot
 from deltastore.publish.encode import SCAN_ELEMENTS, FrameEncoders, FrameJob, _changes
-from deltastore.publish.snapshot import BITMAP_DENSITY, StoredChange
+from deltastore.publish.snapshot import BITMAP_DENSITY
 
 
 def frame(n: int, density: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -130,36 +130,3 @@ def test_the_word_budget_keeps_the_order_and_the_frames() -> None:
     for words in (1, 30_000, 10**9):
         got = [(o.codec, o.data) for o in FrameEncoders(None, 2).map(jobs, words=words)]
         assert got == plain
-
-
-@pytest.mark.parametrize("density", [0.001, 0.03, 0.3, 0.65, 1.0])
-@pytest.mark.parametrize("delta", [True, False])
-def test_stored_changes_rebuild_the_new_words(density: float, delta: bool) -> None:
-    """A frame's own bytes, decoded as a reader does, bring the parent's words to the new ones
-    (every codec the encoder picks: XOR codecs for a delta, new words otherwise)."""
-    old, new = frame(40_000, density, 5)
-    out = FrameEncoders(None, 1).encode(FrameJob(new, old, adler32(old), delta))
-    assert out.data is not None
-    stored = StoredChange(out.codec, out.data, new.size, out.changed)
-    words = old.copy()
-    stored.apply(words, FrameDecoder())
-    assert np.array_equal(words.view(np.int16), new.view(np.int16))
-
-
-def test_stored_changes_of_every_codec() -> None:
-    old, new = frame(20_000, 0.4, 9)
-    pos = np.flatnonzero(old != new)
-    masks = old[pos] ^ new[pos]
-    enc = FrameEncoder(codecs="v2")
-    v2 = FrameEncoder2()
-    frames = {
-        "raw": enc.raw(new),
-        "xor-dense": v2.xor_dense(old ^ new),
-        "xor-sparse": enc.xor_sparse(pos, masks),
-        "xor-sparse2": v2.xor_sparse2(pos, masks),
-        "raw-planes": v2.raw_planes(new),
-    }
-    for codec, data in frames.items():
-        words = old.copy()
-        StoredChange(codec, data, new.size, int(pos.size)).apply(words, FrameDecoder())  # type: ignore[arg-type]
-        assert np.array_equal(words.view(np.int16), new.view(np.int16)), codec

@@ -65,10 +65,8 @@ from deltastore.publish.policy import AnchorCosts, AnchorPolicy
 from deltastore.publish.snapfree import SnapshotFreeStats
 from deltastore.publish.snapshot import (
     DiskSnapshot,
-    FrameChange,
     HeldChange,
     MemorySnapshot,
-    StoredChange,
     TensorState,
     TensorSums,
     WriterState,
@@ -425,10 +423,7 @@ class ChainWriter:
                         entry = out.full.frame(start + a, start + b, obj, offset, out.adler)
                         copy_frames.append(entry)
                     if prev is not None and out.change is not None:
-                        held: FrameChange | StoredChange = out.change
-                        if out.data is not None and len(out.data) < held.nbytes:
-                            held = StoredChange(out.codec, out.data, b - a, out.changed)
-                        pending.updates.append(HeldChange(prev.words[a:b], held))
+                        pending.updates.append(HeldChange(prev.words[a:b], out.change))
                     frame_adler.append(out.adler)
                     ticker.tick((b - a) * words.dtype.itemsize)
                     changed_total += out.changed

@@ -29,7 +29,6 @@ import numpy as np
 
 from deltastore.errors import DeltastoreError
 from deltastore.format.checksum import adler32
-from deltastore.format.codecs import Codec, FrameDecoder, codec_spec
 from deltastore.format.dtypes import itemsize, word_dtype
 from deltastore.format.keys import manifest_key
 from deltastore.format.manifest import parse_manifest
@@ -92,9 +91,8 @@ class FrameChange:
         """Bytes held (the encoder's positions not counted)."""
         return int(self.where.nbytes + self.masks.nbytes)
 
-    def apply(self, words: np.ndarray, decoder: FrameDecoder | None = None) -> None:
-        """XOR the masks into ``words`` (the frame's ``n`` held words, in place; ``decoder``
-        is not needed)."""
+    def apply(self, words: np.ndarray) -> None:
+        """XOR the masks into ``words`` (the frame's ``n`` held words, in place)."""
         if self.bitmap:
             at = np.unpackbits(self.where, count=self.n).view(np.bool_)
             words[at] ^= self.masks
@@ -103,51 +101,12 @@ class FrameChange:
 
 
 @dataclass(frozen=True)
-class StoredChange:
-    """The changes of one frame of ``n`` words as the version stores them: its ``codec`` and
-    ``data`` (the frame's bytes, shared with the data object they were packed into), with
-    ``changed`` changes; decoded (:class:`~deltastore.format.codecs.FrameDecoder`, as a
-    reader does) only when applied. Held when smaller than the :class:`FrameChange`: a
-    frame's bytes are usually a fraction of its positions and masks. Immutable."""
-
-    codec: Codec
-    data: bytes
-    n: int
-    changed: int
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held."""
-        return len(self.data)
-
-    def apply(self, words: np.ndarray, decoder: FrameDecoder) -> None:
-        """Bring ``words`` (the frame's ``n`` held words, contiguous, the parent's) to the
-        frame's new words, in place."""
-        if codec_spec(self.codec).new_words:
-            decoder.decode_into(self.codec, self.data, words)
-            return
-        size = words.dtype.itemsize
-        for c in decoder.changes(self.codec, self.data, self.n, size, self.changed):
-            if c.positions is not None:
-                if c.xor:
-                    words[c.positions] ^= c.words
-                else:
-                    words[c.positions] = c.words
-            else:
-                run = words[c.first : c.first + c.words.size]
-                if c.xor:
-                    run ^= c.words
-                else:
-                    run[:] = c.words
-
-
-@dataclass(frozen=True)
 class HeldChange:
     """Changes of one frame to write into the held copy once a delta is committed: ``held``
     (the frame's held words, a view of the tensor's) and its ``change``."""
 
     held: np.ndarray
-    change: FrameChange | StoredChange
+    change: FrameChange
 
 
 @dataclass(frozen=True)
@@ -431,13 +390,8 @@ class WriterState:
         if self.tensors is None:
             raise ValueError("no version held to update")
         self._snapshots.begin_update()
-        decoder: FrameDecoder | None = None
         for c in changes:
-            if isinstance(c.change, StoredChange):
-                decoder = decoder or FrameDecoder()
-                c.change.apply(c.held, decoder)
-            else:
-                c.change.apply(c.held)
+            c.change.apply(c.held)
         for name, st in self.tensors.items():
             st.frame_adler, st.adler = sums[name].frames, sums[name].whole
         self._hold(version, digest)
