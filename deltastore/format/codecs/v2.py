@@ -246,9 +246,10 @@ def position_sections(
 ) -> list[bytes | memoryview]:
     """What :func:`position_gaps` then :func:`position_parts` make of ``positions``, with the
     header joined to the tokens: ``[header + tokens, *low-bit planes, *escape planes]``, the
-    same bytes and the same :class:`ValueError` s. The gaps are made
-    :data:`CHUNK_BYTES` positions at a time (never an int64 array of every gap): beside its
-    output it allocates a few MiB at most, whatever the number of positions."""
+    same bytes and the same :class:`ValueError` s. The gaps are made about 1/16 of the
+    positions at a time (:data:`GAP_CHUNK_MIN` to :data:`GAP_CHUNK`), never an int64 array of
+    every gap: beside its output (about ``1 + ceil(L / 8)`` bytes per position) it allocates
+    at most about a MiB, whatever the number of positions."""
     k = int(positions.size)
     if int(positions[0]) < 0 or int(positions[-1]) >= MAX_SPARSE2_ELEMENTS:
         raise ValueError(f"{codec} positions must be in [0, 2^32 - 1)")
