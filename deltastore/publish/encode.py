@@ -143,7 +143,6 @@ class FrameEncoders:
         old, new, parent_adler = job.old, job.new, job.parent_adler
         if old is None:  # no parent: the new words
             codec, data = self._encoder().new_words(new)
-            t1 = time.perf_counter()
             digest = xxhash.xxh3_64_hexdigest(data)
             return Encoded(
                 new.size, adler32(new), codec, data, digest, None, 0.0, time.perf_counter() - t0
