@@ -10,16 +10,20 @@ restart, :meth:`ModuleWriter.resume` makes the new run the store's current one, 
 run's leftovers can never be committed.
 
 Which rank writes what, per tensor (the model's parameters, a tied one once under its first
-name, then its persistent buffers, by state_dict name):
+name, then its persistent buffers, by state_dict name). When several copies of a tensor exist
+in the group (the meshes of data-parallel replicas around tensor parallelism, a plain tensor
+on every rank), the copy whose lowest global rank is lowest is written, the others skip it
+(agreed once, by one collective); within that copy:
 
 - a DTensor whose placements are ``Shard(0)`` or ``Replicate`` on every mesh dim (FSDP2's
   ``Shard(0)``; HSDP's ``(Replicate(), Shard(0))``; nested dim-0 shards): its local rows, at
-  their global offset, written by the rank whose mesh coordinate is 0 on every ``Replicate``
+  their global offset, written by the ranks whose mesh coordinate is 0 on every ``Replicate``
   dim (the other replicas skip it);
-- any other DTensor (a dim-1 or strided shard, a partial): gathered with ``full_tensor()``
-  (a collective on its mesh, so every rank takes part) and written whole by the rank whose
-  coordinate is 0 on every mesh dim;
-- a plain tensor: whole, by rank 0 of the group.
+- any other DTensor with dims (a dim-1 or strided shard, a partial): redistributed to
+  ``Shard(0)`` on each mesh dim that does not replicate it (a collective on its mesh: a
+  shard's worth of memory per rank), then as above;
+- a 0-dim DTensor: its value, from the rank at coordinate 0 on every mesh dim;
+- a plain tensor: whole.
 
 Every method is collective (every rank of the group calls it, in the same order) except
 :meth:`commit`, which does something on the committer rank only. Not thread-safe.
@@ -141,6 +145,7 @@ class ModuleWriter:
         #: Why the next publish is an anchor, as :meth:`resume` decided (None: as usual).
         self._anchor_next: str | None = None
         self._tried: int | None = None  # the newest version this writer published or tried
+        self._chosen: dict[str, bool] | None = None  # per tensor: this copy is written
 
     @property
     def version(self) -> int | None:
@@ -182,20 +187,48 @@ class ModuleWriter:
                 yield name, buf
 
     def slices(self) -> dict[str, RowSlice]:
-        """This rank's slices of the module now, by tensor name (collective when a DTensor is
-        not sharded by rows). Raises :class:`TensorMismatchError` for a DTensor whose mesh
-        does not include this rank."""
+        """This rank's slices of the module now, by tensor name (collective: the first call
+        agrees on who writes what; later calls only when a DTensor is not sharded by rows).
+        Raises :class:`TensorMismatchError` for a DTensor whose mesh does not include this
+        rank."""
         from torch.distributed.tensor import DTensor
 
+        chosen = self._plan()
         out: dict[str, RowSlice] = {}
         for name, t in self._tensors():
+            if not chosen.get(name, False):
+                continue  # another mesh's replica (or another rank) writes it
             s = self._dtensor_slice(name, t) if isinstance(t, DTensor) else self._plain_slice(t)
             if s is not None:
                 out[name] = self._cast(s, optimized=id(t) in self._optimized)
         return out
 
-    def _plain_slice(self, t: torch.Tensor) -> RowSlice | None:
-        return RowSlice(t.detach(), tuple(t.shape), 0, t) if self.rank == 0 else None
+    def _plan(self) -> dict[str, bool]:
+        """Per tensor this rank holds: whether its copy is the one written. Each rank sends
+        the global ranks of each DTensor's mesh (itself for a plain tensor); of the copies of
+        a tensor (meshes of data-parallel replicas, ranks of a pipeline stage that hold a plain
+        tensor), the one whose lowest rank is lowest is written; within that mesh the rows go
+        by placements. Collective, once (a module's layout is fixed)."""
+        if self._chosen is not None:
+            return self._chosen
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        mine: dict[str, tuple[int, ...]] = {}
+        for name, t in self._tensors():
+            if isinstance(t, DTensor):
+                mine[name] = tuple(sorted(int(r) for r in t.device_mesh.mesh.flatten().tolist()))
+            else:
+                mine[name] = (dist.get_rank(),)
+        tables: list[dict[str, tuple[int, ...]]] = self._gather(mine)
+        self._chosen = {
+            name: key == min((tab[name] for tab in tables if name in tab), key=_lowest)
+            for name, key in mine.items()
+        }
+        return self._chosen
+
+    def _plain_slice(self, t: torch.Tensor) -> RowSlice:
+        return RowSlice(t.detach(), tuple(t.shape), 0, t)
 
     def _dtensor_slice(self, name: str, t: Any) -> RowSlice | None:
         """This rank's rows of the DTensor ``t`` (None: another rank writes them); its
@@ -374,6 +407,11 @@ class ModuleWriter:
         self.commit(report.version)
         self.finish(report.version)
         return report
+
+
+def _lowest(ranks: tuple[int, ...]) -> tuple[int, int]:
+    """Order of the copies of a tensor: by lowest global rank (then size)."""
+    return (min(ranks), len(ranks))
 
 
 def _rows(placement: object) -> bool:
