@@ -115,16 +115,6 @@ class FrameEncoders:
             ne = self._local.ne = np.empty(SCAN_ELEMENTS, dtype=np.bool_)
         return ne
 
-    def _count(self, old: np.ndarray, new: np.ndarray) -> int:
-        """How many words differ."""
-        buf, k, step = self._scan(), 0, scan_step(new.size)
-        for a in range(0, new.size, step):
-            b = min(a + step, new.size)
-            ne = buf[: b - a]
-            np.not_equal(old[a:b], new[a:b], out=ne)
-            k += int(np.count_nonzero(ne))
-        return k
-
     def encode(self, job: FrameJob) -> Encoded:
         """Detect, checksum and encode one frame (any thread)."""
         out = self._encode(job)
@@ -147,18 +137,15 @@ class FrameEncoders:
             return Encoded(
                 new.size, adler32(new), codec, data, digest, None, 0.0, time.perf_counter() - t0
             )
-        k = self._count(old, new)
+        change = _find(self._scan(), old, new)
+        k = 0 if change is None else int(change.masks.size)
         t1 = time.perf_counter()
-        change: FrameChange | None = None
         if not (job.delta and parent_adler is not None):  # the new words, and the changes
-            if k:
-                change = _changes(self._scan(), old, new, k)
             value = adler32(new)
             codec, data = self._encoder().new_words(new)
-        elif not k:  # unchanged: nothing stored
+        elif change is None:  # unchanged: nothing stored
             return Encoded(0, parent_adler, RAW, None, "", None, t1 - t0, 0.0)
         else:
-            change = _changes(self._scan(), old, new, k)
             positions, masks = change.positions(), change.masks
             if k * 8 <= new.size:
                 # few words changed: the Adler-32 in O(changed) from the parent's (the
@@ -239,6 +226,45 @@ def scan_step(n: int) -> int:
     from :data:`SCAN_MIN` to :data:`SCAN_ELEMENTS` (few steps: numpy's per-call cost; small
     ones: their temporaries, up to 8 bytes per changed word of a step)."""
     return min(SCAN_ELEMENTS, max(SCAN_MIN, -(-n // 128) * 8))
+
+
+def _find(buf: np.ndarray, old: np.ndarray, new: np.ndarray) -> FrameChange | None:
+    """The frame's changes (None: none), :func:`scan_step` words at a time (``buf``: a bool
+    buffer of at least :data:`SCAN_ELEMENTS`). Where the first step's changes are sparse (at
+    most one in :data:`BITMAP_DENSITY`), in one pass, each step's positions and masks kept
+    until they are joined (12 bytes per change at the join); else counted first and gathered
+    in a second pass into arrays of their final size (:func:`_changes`): dense changes never
+    take more than their positions (or bitmap) and masks."""
+    n = int(new.size)
+    step = scan_step(n)
+    head = buf[: min(step, n)]
+    np.not_equal(old[: head.size], new[: head.size], out=head)
+    k = int(np.count_nonzero(head))
+    if k * BITMAP_DENSITY > head.size:  # dense: count, then gather
+        for a in range(head.size, n, step):
+            b = min(a + step, n)
+            ne = buf[: b - a]
+            np.not_equal(old[a:b], new[a:b], out=ne)
+            k += int(np.count_nonzero(ne))
+        return _changes(buf, old, new, k)
+    found: list[np.ndarray] = []
+    xors: list[np.ndarray] = []
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        ne = buf[: b - a]
+        if a:
+            np.not_equal(old[a:b], new[a:b], out=ne)
+        at = np.flatnonzero(ne)
+        if at.size:
+            xors.append(old[a:b][at] ^ new[a:b][at])
+            at += a
+            found.append(at.astype(np.uint32))
+    if not found:
+        return None
+    positions = np.concatenate(found) if len(found) > 1 else found[0]
+    del found
+    masks = np.concatenate(xors) if len(xors) > 1 else xors[0]
+    return FrameChange(n, positions, masks, False, positions)
 
 
 def _changes(buf: np.ndarray, old: np.ndarray, new: np.ndarray, k: int) -> FrameChange:
