@@ -58,7 +58,8 @@ def test_sharded_mode_writes_a_consistent_result(tmp_path: Path) -> None:
         assert s.density is None or s.anchor_copy in copies
     names = {b.name for b in res.bars}
     for d in densities:
-        assert any(f"(traced, {d:.0%} changed" in n for n in names), names
+        assert any(f"peak / shard bf16 bytes (traced, {d:.0%} changed" in n for n in names)
+        assert any(f"held changes / shard bf16 bytes (rss, {d:.0%} changed" in n for n in names)
     assert all(b.status == "n/a" for b in res.bars)  # nothing measured in one process
     text = sharded_markdown(res)
     assert "--mode sharded" in text and "| 60% |" in text
