@@ -22,7 +22,7 @@ from deltastore.format.codecs.v2 import (
 )
 from deltastore.format.codecs.zstdframe import one_shot
 from deltastore.publish.encode import SCAN_ELEMENTS, FrameEncoders, FrameJob, _changes
-from deltastore.publish.snapshot import BITMAP_DENSITY
+from deltastore.publish.snapshot import BITMAP_DENSITY, PackedMasks
 
 
 def frame(n: int, density: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -92,7 +92,7 @@ def test_frame_changes_rebuild_the_new_words(n: int, density: float) -> None:
     assert np.array_equal(change.held().positions(), want)  # from the bitmap, if it is one
     assert np.array_equal(change.masks, old[want] ^ new[want])
     held = change.held()
-    assert held.found is None and held.nbytes <= 4 * k + 2 * k
+    assert not hasattr(held, "found") and held.nbytes <= 4 * k + 2 * k
     words = old.copy()
     held.apply(words)
     assert np.array_equal(words, new)
@@ -130,3 +130,16 @@ def test_the_word_budget_keeps_the_order_and_the_frames() -> None:
     for words in (1, 30_000, 10**9):
         got = [(o.codec, o.data) for o in FrameEncoders(None, 2).map(jobs, words=words)]
         assert got == plain
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+def test_packed_masks_unpack_to_the_masks(dtype: type) -> None:
+    rng = np.random.default_rng(3)
+    masks = rng.integers(1, 256, 10_000).astype(dtype)  # low bits only: packs
+    masks[rng.choice(masks.size, 300, replace=False)] |= dtype(0x4100)
+    packed = PackedMasks.of(masks)
+    assert packed is not None and packed.nbytes < masks.nbytes
+    assert np.array_equal(packed.masks(), masks) and packed.masks().dtype == masks.dtype
+    wide = rng.integers(256, 1 << 15, 10_000).astype(dtype)  # high bits everywhere: kept
+    assert PackedMasks.of(wide) is None
+    assert PackedMasks.of(np.ones(5, dtype=np.uint8)) is None  # 1-byte words: nothing to pack

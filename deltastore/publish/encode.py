@@ -23,7 +23,7 @@ from deltastore.format.checksum import adler32, apply_delta, delta_sums
 from deltastore.format.codecs import NEW_WORDS_CODECS, RAW, Codec, CodecSet, FrameEncoder
 from deltastore.format.codecs.v2 import V1_MAX_CHANGES
 from deltastore.format.manifest import Frame
-from deltastore.publish.snapshot import BITMAP_DENSITY, FrameChange
+from deltastore.publish.snapshot import BITMAP_DENSITY, FrameChange, HeldFrame
 
 #: At most 1/this of the words of a publish are encoded at once (:meth:`FrameEncoders.map`).
 ENCODE_SHARE = 4
@@ -78,7 +78,7 @@ class FullFrame:
 class Encoded:
     """What a frame job produced. ``data`` is None for an unchanged frame of a delta (nothing
     is stored); ``change``: the frame's changes against the job's ``old`` words, compact
-    (:class:`~deltastore.publish.snapshot.FrameChange`; None without ``old`` or when nothing
+    (:class:`~deltastore.publish.snapshot.HeldFrame`; None without ``old`` or when nothing
     changed); ``full``: the new words encoded for an anchor copy (None unless the job asked
     for it)."""
 
@@ -87,7 +87,7 @@ class Encoded:
     codec: Codec
     data: bytes | None
     xxh3: str
-    change: FrameChange | None
+    change: HeldFrame | None
     detect_s: float
     encode_s: float
     full: FullFrame | None = None
@@ -163,7 +163,7 @@ class FrameEncoders:
             codec, data = self._encoder().encode_delta(old, new, positions, masks=masks)
             del positions, masks
         digest = xxhash.xxh3_64_hexdigest(data)
-        kept = None if change is None else change.held()  # the positions dropped
+        kept = None if change is None else change.held()  # no positions, packed masks
         return Encoded(k, value, codec, data, digest, kept, t1 - t0, time.perf_counter() - t1)
 
     def encoder(self) -> FrameEncoder:

@@ -82,22 +82,79 @@ class FrameChange:
         at = np.unpackbits(self.where, count=self.n).view(np.bool_)
         return np.flatnonzero(at).astype(np.uint32)
 
-    def held(self) -> FrameChange:
-        """This change without the encoder's positions (what a writer keeps until its commit)."""
-        return FrameChange(self.n, self.where, self.masks, self.bitmap)
+    def held(self) -> HeldFrame:
+        """What a writer keeps of this change until its commit: no encoder's positions, the
+        masks packed when that is smaller (:class:`PackedMasks`)."""
+        packed = PackedMasks.of(self.masks)
+        return HeldFrame(self.n, self.where, self.masks if packed is None else packed, self.bitmap)
+
+
+@dataclass(frozen=True)
+class PackedMasks:
+    """XOR masks of words of 2 bytes or more, as their low bytes (``low``: uint8, one per
+    change) and, for the masks with higher bits set (a small change of a float mostly flips
+    low mantissa bits), their indexes among the changes (``at``: uint32) and those bits
+    (``high``: the masks shifted right by 8 bits, of the words' ``dtype``). Immutable."""
+
+    low: np.ndarray
+    at: np.ndarray
+    high: np.ndarray
+    dtype: np.dtype[Any]
+
+    @classmethod
+    def of(cls, masks: np.ndarray) -> PackedMasks | None:
+        """``masks`` packed, or None when that would not be smaller than them."""
+        size = masks.dtype.itemsize
+        if size < 2 or not masks.size:
+            return None
+        high = masks >> 8
+        at = np.flatnonzero(high)
+        if at.size * (4 + size) + masks.size >= masks.nbytes:
+            return None
+        return cls(masks.astype(np.uint8), at.astype(np.uint32), high[at], masks.dtype)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (the encoder's positions not counted)."""
+        """Bytes held."""
+        return int(self.low.nbytes + self.at.nbytes + self.high.nbytes)
+
+    def masks(self) -> np.ndarray:
+        """The masks, unpacked."""
+        out = self.low.astype(self.dtype)
+        out[self.at] |= self.high << 8
+        return out
+
+
+@dataclass(frozen=True)
+class HeldFrame:
+    """A frame's changes as a writer holds them until its commit: a :class:`FrameChange`'s
+    ``n``, ``where`` and ``bitmap``, its masks as they are or packed. Immutable; :meth:`apply`
+    is thread-safe on distinct targets."""
+
+    n: int
+    where: np.ndarray
+    masks: np.ndarray | PackedMasks
+    bitmap: bool
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
         return int(self.where.nbytes + self.masks.nbytes)
+
+    def positions(self) -> np.ndarray:
+        """The uint32 positions of the changes."""
+        if not self.bitmap:
+            return self.where
+        return np.flatnonzero(np.unpackbits(self.where, count=self.n)).astype(np.uint32)
 
     def apply(self, words: np.ndarray) -> None:
         """XOR the masks into ``words`` (the frame's ``n`` held words, in place)."""
+        masks = self.masks.masks() if isinstance(self.masks, PackedMasks) else self.masks
         if self.bitmap:
             at = np.unpackbits(self.where, count=self.n).view(np.bool_)
-            words[at] ^= self.masks
+            words[at] ^= masks
         else:
-            words[self.where] ^= self.masks
+            words[self.where] ^= masks
 
 
 @dataclass(frozen=True)
@@ -106,7 +163,7 @@ class HeldChange:
     (the frame's held words, a view of the tensor's) and its ``change``."""
 
     held: np.ndarray
-    change: FrameChange
+    change: HeldFrame
 
 
 @dataclass(frozen=True)
