@@ -360,3 +360,46 @@ def test_a_zombie_module_writer_is_fenced_and_gc_collects_its_parts(tmp_path: Pa
     assert sub.tensors is not None
     for name, p in model.named_parameters():
         assert torch.equal(sub.tensors[name], p.detach()), name
+
+
+def test_a_superseded_run_is_told_so_wherever_it_stands(tmp_path: Path) -> None:
+    """The fence is the first thing an old run hears: a version number the new run committed
+    already, its writers waiting in finish() (the refused commit gives the version up, so they
+    stop at once), and its next publish."""
+    store = local(tmp_path)
+    r1, r2 = new_run(), new_run()
+    register_run(store, r1, WORLD)
+    old = writers(store, r1)
+    v1 = initial(1)
+    commit(store, old, v1, 1, r1)
+    v2 = step(v1, 2)
+    for w in old:
+        w.publish(slices(v2, w.rank), version=2)
+    register_run(store, r2, WORLD)  # a restart: the old processes are still alive
+    new = writers(store, r2)
+    for w in new:
+        w.attach(slices(v1, w.rank))
+    commit(store, new, v2, 2, r2)
+    with pytest.raises(SupersededRunError, match=f"run {r1} was superseded by run {r2}"):
+        commit_parts(store, version=2, world=WORLD, run=r1, timeout_s=1)  # committed by r2
+    for w in old:
+        with pytest.raises(SupersededRunError):
+            w.finish(2, timeout_s=30)  # r2's manifest, not r1's parts: told at once
+    v3 = step(v2, 3)
+    for w in old:
+        with pytest.raises(SupersededRunError):
+            w.publish(slices(v3, w.rank), version=3)
+    # an old writer waiting for a version nobody committed stops when the refusal gives it up
+    for w in writers(store, r1):
+        w.attach(slices(v2, w.rank))
+        w.publish(slices(v3, w.rank), version=3)
+        with pytest.raises(SupersededRunError):
+            commit_parts(store, version=3, world=WORLD, run=r1, timeout_s=1)
+        with pytest.raises(VersionNotCommittedError, match="aborted"):
+            w.finish(3, timeout_s=30)
+        break
+    assert [r for v, r in abandon_parts(store, above=2, keep_run=r2, reason="x")] == []
+    commit(store, new, v3, 3, r2)
+    sub = Subscriber(store)
+    sub.sync()
+    assert_bit_exact(v3, sub.tensors)

@@ -22,6 +22,7 @@ from deltastore.errors import (
     DeltastoreError,
     ManifestError,
     ManifestNotFoundError,
+    SupersededRunError,
     VersionExistsError,
     VersionNotCommittedError,
     VersionOrderError,
@@ -257,8 +258,12 @@ def commit_parts(
     keys = resolve_keys(signing_key)
     store = open_store(url, storage_options)
     enforced = conditional_writes(store, unsafe_commits=unsafe_commits)
-    _check_open(store, version, run)
     abort = partial(_abort, store, version, run)
+    try:
+        _check_open(store, version, run)
+    except SupersededRunError as exc:  # this run's writers stop waiting in finish()
+        abort(exc)
+        raise
     try:
         parts = _wait_for_parts(store, version, world, timeout_s, poll_s, run)
         parent, entries, copy = _join_parts(parts)
@@ -302,14 +307,16 @@ def commit_parts(
 
 
 def _check_open(store: Store, version: int, run: str | None) -> None:
-    """Raise unless ``version`` can still be committed by run ``run``."""
+    """Raise unless ``version`` can still be committed by run ``run``: the version of this run
+    given up (its abort marker says why), then a superseded run (whatever else, its parts
+    are never committed), then a version committed already or not above the newest."""
+    _check_not_aborted(store, version, run)
+    check_run(store, run)
     if store.exists(manifest_key(version)):
         raise VersionExistsError(f"version {version} is already committed in store {store.url}")
     head = head_version(store)
     if head is not None and version <= head:
         raise VersionOrderError(f"version {version} is not above the store's newest version {head}")
-    _check_not_aborted(store, version, run)
-    check_run(store, run)
 
 
 def _check_not_aborted(store: Store, version: int, run: str | None) -> None:

@@ -205,14 +205,17 @@ def abandon_parts(
     store: Store, *, above: int | None, keep_run: str | None, reason: str
 ) -> list[tuple[int, str | None]]:
     """Give up every uncommitted version above ``above`` (the store's newest committed version,
-    None: all) that has parts of a run other than ``keep_run``: an abort marker each, so that a
-    late :func:`commit_parts` of it is refused with :class:`VersionNotCommittedError`. The parts
+    None: all) that has parts of a run other than ``keep_run`` and no abort marker yet: an abort
+    marker each, so that a late :func:`commit_parts` of it is refused with
+    :class:`VersionNotCommittedError`. The parts
     and their data objects stay until ``gc --orphans`` removes them. Returns the (version, run)
     pairs given up, sorted."""
     given_up: list[tuple[int, str | None]] = []
     for version, run in sorted(leftover_parts(store, above=above), key=_by_version):
         if run == keep_run or store.exists(manifest_key(version)):
             continue
+        if abort_reason(store, version, run) is not None:
+            continue  # given up before (by a run, or an earlier restart)
         write_abort(store, version, run, reason)
         given_up.append((version, run))
     if given_up:

@@ -45,6 +45,7 @@ from deltastore.errors import (
     ObjectNotFoundError,
     TensorMismatchError,
     VersionExistsError,
+    VersionOrderError,
 )
 from deltastore.format.checksum import combine_frames
 from deltastore.format.keys import anchor_key, manifest_key
@@ -54,7 +55,7 @@ from deltastore.publish.commit import conditional_writes, stored_bytes
 from deltastore.publish.parts import Part, PartTensor, commit_parts, parse_part, wait_committed
 from deltastore.publish.policy import AnchorCosts
 from deltastore.publish.publisher import ChainWriter, Pending, PublishReport, table_entry
-from deltastore.publish.runs import abort_key, check_run_id, part_key, parts_prefix
+from deltastore.publish.runs import abort_key, check_run, check_run_id, part_key, parts_prefix
 from deltastore.publish.slice_check import check_slices, words_adler
 from deltastore.publish.snapshot import TensorSums, row_range
 from deltastore.store import Store
@@ -227,11 +228,16 @@ class ShardWriter(ChainWriter):
         t_start = time.perf_counter()
         inflight = self._inflight
         if inflight is not None and self.store.exists(manifest_key(inflight.part.version)):
+            check_run(self.store, self.run)  # a newer run committed it: say so
             raise ChainError(
                 f"version {inflight.part.version} is committed but rank {self.rank} did not "
                 f"finish() it; call finish({inflight.part.version}) before publishing {version}"
             )
-        self._check_version(version, anchor=bool(anchor))
+        try:
+            self._check_version(version, anchor=bool(anchor))
+        except (ChainError, VersionOrderError):
+            check_run(self.store, self.run)  # a newer run moved the chain: say so
+            raise
         # before any upload: refuse unsafe commits unless accepted
         conditional_writes(self.store, unsafe_commits=self.unsafe_commits)
         specs: dict[str, tuple[str, list[int]]] = {}
@@ -322,6 +328,7 @@ class ShardWriter(ChainWriter):
             and set(t.frames) <= set(e.frames)
             for n, t in part.tensors.items()
         ):
+            check_run(self.store, self.run)  # a newer run committed it: say so
             raise VersionExistsError(
                 f"version {version} was committed without the part of rank {self.rank}; "
                 "attach() this writer to the newest version"
