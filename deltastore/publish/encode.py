@@ -31,6 +31,12 @@ ENCODE_SHARE = 4
 SCAN_ELEMENTS = 1 << 16
 #: The fewest elements per step (a frame is compared in about 16 steps between the two).
 SCAN_MIN = 1 << 12
+#: Elements per step of a frame of sparse changes (:func:`_find`): few steps, and each
+#: holds little (its bool map, 8 bytes per change found in it).
+SPARSE_STEP = 1 << 20
+#: A frame whose first step changed at most one word in this many is compared in one pass
+#: (:func:`_find`).
+SPARSE_DENSITY = 16
 
 J = TypeVar("J")
 R = TypeVar("R")
@@ -107,12 +113,14 @@ class FrameEncoders:
             enc = self._local.encoder = FrameEncoder(self._level, codecs=self._codecs)
         return enc
 
-    def _scan(self) -> np.ndarray:
-        """This thread's bool buffer of :data:`SCAN_ELEMENTS` (a frame's comparisons are made
-        :func:`scan_step` words at a time: no bool map of a whole frame)."""
+    def _scan(self, n: int) -> np.ndarray:
+        """This thread's bool buffer, of at least ``min(n, SPARSE_STEP)`` words (grown as
+        frames need it): a frame of ``n`` words is compared a step at a time (:func:`_find`),
+        never in a bool map of the whole frame."""
         ne: np.ndarray | None = getattr(self._local, "ne", None)
-        if ne is None:
-            ne = self._local.ne = np.empty(SCAN_ELEMENTS, dtype=np.bool_)
+        need = min(n, SPARSE_STEP)
+        if ne is None or ne.size < need:
+            ne = self._local.ne = np.empty(need, dtype=np.bool_)
         return ne
 
     def encode(self, job: FrameJob) -> Encoded:
@@ -137,7 +145,7 @@ class FrameEncoders:
             return Encoded(
                 new.size, adler32(new), codec, data, digest, None, 0.0, time.perf_counter() - t0
             )
-        change = _find(self._scan(), old, new)
+        change = _find(self._scan(new.size), old, new)
         k = 0 if change is None else int(change.masks.size)
         t1 = time.perf_counter()
         if not (job.delta and parent_adler is not None):  # the new words, and the changes
@@ -229,18 +237,20 @@ def scan_step(n: int) -> int:
 
 
 def _find(buf: np.ndarray, old: np.ndarray, new: np.ndarray) -> FrameChange | None:
-    """The frame's changes (None: none), :func:`scan_step` words at a time (``buf``: a bool
-    buffer of at least :data:`SCAN_ELEMENTS`). Where the first step's changes are sparse (at
-    most one in :data:`BITMAP_DENSITY`), in one pass, each step's positions and masks kept
-    until they are joined (12 bytes per change at the join); else counted first and gathered
-    in a second pass into arrays of their final size (:func:`_changes`): dense changes never
-    take more than their positions (or bitmap) and masks."""
+    """The frame's changes (None: none) (``buf``: a bool buffer of at least
+    ``min(new.size, SPARSE_STEP)``). Where the changes of the first
+    :func:`scan_step` words are sparse (at most one in :data:`SPARSE_DENSITY`), in one pass of
+    :data:`SPARSE_STEP` words a step (few numpy calls: the GIL is free most of the time),
+    each step's positions and masks kept until they are joined (12 bytes per change at the
+    join); else counted, then gathered in a second pass into arrays of their final size
+    (:func:`_changes`), :func:`scan_step` words at a time: dense changes never take more
+    than their positions (or bitmap) and masks."""
     n = int(new.size)
     step = scan_step(n)
     head = buf[: min(step, n)]
     np.not_equal(old[: head.size], new[: head.size], out=head)
     k = int(np.count_nonzero(head))
-    if k * BITMAP_DENSITY > head.size:  # dense: count, then gather
+    if k * SPARSE_DENSITY > head.size:  # dense: count, then gather
         for a in range(head.size, n, step):
             b = min(a + step, n)
             ne = buf[: b - a]
@@ -249,11 +259,11 @@ def _find(buf: np.ndarray, old: np.ndarray, new: np.ndarray) -> FrameChange | No
         return _changes(buf, old, new, k)
     found: list[np.ndarray] = []
     xors: list[np.ndarray] = []
+    step = max(step, min(SPARSE_STEP, buf.size))  # the buffer holds min(n, SPARSE_STEP)
     for a in range(0, n, step):
         b = min(a + step, n)
         ne = buf[: b - a]
-        if a:
-            np.not_equal(old[a:b], new[a:b], out=ne)
+        np.not_equal(old[a:b], new[a:b], out=ne)
         at = np.flatnonzero(ne)
         if at.size:
             xors.append(old[a:b][at] ^ new[a:b][at])
@@ -270,10 +280,10 @@ def _find(buf: np.ndarray, old: np.ndarray, new: np.ndarray) -> FrameChange | No
 def _changes(buf: np.ndarray, old: np.ndarray, new: np.ndarray, k: int) -> FrameChange:
     """The frame's ``k >= 1`` changes (:class:`FrameChange`: uint32 positions, or a bitmap,
     and the XOR masks), compared and gathered :func:`scan_step` words at a time (``buf``: a
-    bool buffer of at least :data:`SCAN_ELEMENTS`): beside what it returns, no array of the
-    whole frame (an int64 position list, a bool map) is made. The positions are made even
-    when the bitmap is kept (:meth:`FrameChange.positions` returns them while nothing else
-    holds them)."""
+    bool buffer of at least ``min(new.size, scan_step(new.size))``): beside what it
+    returns, no array of the whole frame (an int64 position list, a bool map) is made. The
+    positions are made even when the bitmap is kept (:meth:`FrameChange.positions` returns
+    them while nothing else holds them)."""
     n = int(new.size)
     step = scan_step(n)
     positions = np.empty(k, dtype=np.uint32)
