@@ -114,13 +114,12 @@ class FrameEncoders:
         return enc
 
     def _scan(self, n: int) -> np.ndarray:
-        """This thread's bool buffer, of at least ``min(n, SPARSE_STEP)`` words (grown as
-        frames need it): a frame of ``n`` words is compared a step at a time (:func:`_find`),
-        never in a bool map of the whole frame."""
+        """This thread's bool buffer, of at least ``n`` words (grown as frames need it; at
+        most :data:`SPARSE_STEP`): frames are compared a step at a time (:func:`_find`),
+        never in a bool map of a whole frame."""
         ne: np.ndarray | None = getattr(self._local, "ne", None)
-        need = min(n, SPARSE_STEP)
-        if ne is None or ne.size < need:
-            ne = self._local.ne = np.empty(need, dtype=np.bool_)
+        if ne is None or ne.size < n:
+            ne = self._local.ne = np.empty(n, dtype=np.bool_)
         return ne
 
     def encode(self, job: FrameJob) -> Encoded:
@@ -145,7 +144,7 @@ class FrameEncoders:
             return Encoded(
                 new.size, adler32(new), codec, data, digest, None, 0.0, time.perf_counter() - t0
             )
-        change = _find(self._scan(new.size), old, new)
+        change = _find(self._scan, old, new)
         k = 0 if change is None else int(change.masks.size)
         t1 = time.perf_counter()
         if not (job.delta and parent_adler is not None):  # the new words, and the changes
@@ -236,17 +235,20 @@ def scan_step(n: int) -> int:
     return min(SCAN_ELEMENTS, max(SCAN_MIN, -(-n // 128) * 8))
 
 
-def _find(buf: np.ndarray, old: np.ndarray, new: np.ndarray) -> FrameChange | None:
-    """The frame's changes (None: none) (``buf``: a bool buffer of at least
-    ``min(new.size, SPARSE_STEP)``). Where the changes of the first
-    :func:`scan_step` words are sparse (at most one in :data:`SPARSE_DENSITY`), in one pass of
-    :data:`SPARSE_STEP` words a step (few numpy calls: the GIL is free most of the time),
-    each step's positions and masks kept until they are joined (12 bytes per change at the
-    join); else counted, then gathered in a second pass into arrays of their final size
-    (:func:`_changes`), :func:`scan_step` words at a time: dense changes never take more
-    than their positions (or bitmap) and masks."""
+def _find(
+    scan: Callable[[int], np.ndarray], old: np.ndarray, new: np.ndarray
+) -> FrameChange | None:
+    """The frame's changes (None: none); ``scan(m)``: a bool buffer of at least ``m`` words
+    (the calling thread's). Where the changes of the first :func:`scan_step` words are
+    sparse (at most one in :data:`SPARSE_DENSITY`), in one pass of :data:`SPARSE_STEP`
+    words a step (few numpy calls: the GIL is free most of the time), each step's positions
+    and masks kept until they are joined (12 bytes per change at the join); else counted,
+    then gathered in a second pass into arrays of their final size (:func:`_changes`),
+    :func:`scan_step` words at a time: dense changes never take more than their positions
+    (or bitmap) and masks, nor a bool buffer of more than 64 Ki words."""
     n = int(new.size)
     step = scan_step(n)
+    buf = scan(min(step, n))
     head = buf[: min(step, n)]
     np.not_equal(old[: head.size], new[: head.size], out=head)
     k = int(np.count_nonzero(head))
@@ -257,9 +259,10 @@ def _find(buf: np.ndarray, old: np.ndarray, new: np.ndarray) -> FrameChange | No
             np.not_equal(old[a:b], new[a:b], out=ne)
             k += int(np.count_nonzero(ne))
         return _changes(buf, old, new, k)
+    step = min(SPARSE_STEP, n)
+    buf = scan(step)
     found: list[np.ndarray] = []
     xors: list[np.ndarray] = []
-    step = max(step, min(SPARSE_STEP, buf.size))  # the buffer holds min(n, SPARSE_STEP)
     for a in range(0, n, step):
         b = min(a + step, n)
         ne = buf[: b - a]
