@@ -484,6 +484,10 @@ def run_sharded(options: ShardedOptions) -> ShardedResult:
         ranks=ranks,
         summary=summary,
         method=METHOD,
+        allocator=" ".join(
+            f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")
+        )
+        or "glibc default",
         load_average=[load_start, _load()],
         bars=bar_checks(summary),
         exact=exact,
@@ -498,7 +502,8 @@ def sharded_markdown(result: ShardedResult) -> str:
         f"## deltastore bench --mode sharded: {result.size}, {result.elements / 1e6:.2f}M "
         f"elements on {result.world} ranks",
         "",
-        f"Machine: {m.cpu_model}, {m.cores} cores; deltastore {m.deltastore}. "
+        f"Machine: {m.cpu_model}, {m.cores} cores; deltastore {m.deltastore}; allocator "
+        f"{result.allocator}. "
         f"{result.created}, wall {result.wall_s:.1f} s. Exact: {'yes' if result.exact else 'NO'}.",
         "",
         "| density | changed | peak/shard (rss) | peak/shard (traced) | held/shard (traced) "

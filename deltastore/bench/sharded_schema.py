@@ -119,6 +119,11 @@ class ShardedResult(_Model):
     ranks: list[RankRun]
     summary: list[DensitySummary]
     method: str
+    #: The C allocator's setting in the ranks' processes: ``glibc default``, or the
+    #: ``MALLOC_*`` environment variables set (e.g. ``MALLOC_MMAP_THRESHOLD_=131072``: every
+    #: buffer of 128 KiB or more a mapping of its own, returned when freed, so that RSS shows
+    #: the live peak without what glibc keeps of freed buffers).
+    allocator: str = "glibc default"
     load_average: list[float] = []
     bars: list[BarCheck]
     exact: bool
