@@ -337,7 +337,9 @@ class ShardWriter(ChainWriter):
             inflight.prepared.adopt(self, self._snapfree, manifest)
         else:
             incremental = part.parent is not None
-            self._adopt(manifest, inflight.host, inflight.pending, incremental=incremental)
+            self._adopt(  # the host words are this writer's own copy of an anchor's
+                manifest, inflight.host, inflight.pending, incremental=incremental, owned=True
+            )
         if part.anchor_copy is None:
             self._account(manifest, stored_bytes(manifest), None)
         elif self._copy_done(version, timeout_s, poll_s):

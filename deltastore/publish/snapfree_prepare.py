@@ -31,7 +31,7 @@ from deltastore.publish.publisher import ChainWriter, Pending
 from deltastore.publish.snapfree import SnapshotFreeStats, encode_frame
 from deltastore.publish.snapfree_writer import EMPTY, Decision, Item, Outcome, SnapshotFree
 from deltastore.publish.snapshot import TensorSums, row_range
-from deltastore.publish.upload import PackWriter, Uploads
+from deltastore.publish.upload import PackWriter, Uploads, copy_object_bytes
 
 
 @dataclass
@@ -130,7 +130,9 @@ def prepare(
     prefix = f"{data_prefix(version)}{w.token[:12]}-"
     uploads = Uploads(w._io, pending)
     packs = PackWriter(uploads, prefix, w._max_object_bytes)
-    copy_packs = PackWriter(uploads, f"{prefix}anchor-", w._max_object_bytes)
+    dense = sum(it.local.numel() * it.local.element_size() for it in items.values())
+    copy_size = copy_object_bytes(w._max_object_bytes, dense)
+    copy_packs = PackWriter(uploads, f"{prefix}anchor-", copy_size)
     encoders = w._encoders
     parent_sums = (
         {n: (state[n].frame_adler, state[n].adler) for n in decision.modes}
