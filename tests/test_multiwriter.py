@@ -462,3 +462,43 @@ def test_two_processes_publish_one_version(tmp_path: Path) -> None:
         writer.finish(2)
     assert writer.version == 1
     assert sub.sync().kind == "none"
+
+
+def test_rows_cast_frame_by_frame_publish_the_cast(tmp_path: Path) -> None:
+    """``RowSlice(..., dtype=torch.bfloat16)`` on float32 rows publishes their bf16 cast (cast a
+    frame at a time by the writer), as deltas and after an attach; a snapshot-free writer
+    refuses such a slice."""
+    store = tmp_path / "store"
+    g = torch.Generator().manual_seed(3)
+    master = torch.randn(101, 24, generator=g)  # float32 master weights
+
+    def cast_slices(rank: int) -> dict[str, RowSlice]:
+        a, b = (0, 40) if rank == 0 else (40, 101)
+        return {"w": RowSlice(master[a:b], (101, 24), a, dtype=torch.bfloat16)}
+
+    ws = writers(store)
+    for version in (1, 2, 3):
+        if version > 1:
+            master[::7] += 0.01 * version
+        reports = [w.publish(cast_slices(w.rank), version=version) for w in ws]
+        commit_parts(store, version=version, world=WORLD, timeout_s=10)
+        for w in ws:
+            w.finish(version, timeout_s=10)
+        assert [r.kind for r in reports] == ["anchor" if version == 1 else "delta"] * 2
+        sub = Subscriber(store)
+        sub.sync()
+        assert_bit_exact({"w": master.to(torch.bfloat16)}, sub.tensors)
+    again = writers(store)
+    for w in again:
+        w.attach(cast_slices(w.rank))  # checked against the published bf16 words
+    master[1::5] -= 0.02
+    for w in again:
+        assert w.publish(cast_slices(w.rank), version=4).kind == "delta"
+    commit_parts(store, version=4, world=WORLD, timeout_s=10)
+    sub = Subscriber(store)
+    sub.sync()
+    assert_bit_exact({"w": master.to(torch.bfloat16)}, sub.tensors)
+    opt = torch.optim.AdamW([torch.nn.Parameter(master.clone())], lr=1e-3)
+    free = ShardWriter(tmp_path / "other", 0, 1, snapshot="none", optimizer=opt)
+    with pytest.raises(TensorMismatchError, match=r"RowSlice\.dtype is for memory-snapshot"):
+        free.publish({"w": RowSlice(master, (101, 24), 0, dtype=torch.bfloat16)}, version=1)

@@ -271,7 +271,8 @@ class ModuleWriter:
         optimizer steps is published as bfloat16: the writer casts its own shard, a slice
         that is not that shard (redistributed) is cast here; any other slice keeps
         ``param`` only when it is an optimizer parameter (the writer takes the others for
-        snapshots of their own). Then :attr:`dtype`, for floating slices of other tensors."""
+        snapshots of their own). Then :attr:`dtype`, for floating slices of other tensors:
+        cast by the writer a frame at a time (:attr:`RowSlice.dtype`), never a whole copy."""
         t, param = s.tensor, s.param
         if self._snapfree:
             if not optimized:
@@ -283,7 +284,9 @@ class ModuleWriter:
         dtype = self.dtype
         if dtype is None or not t.is_floating_point() or t.dtype == dtype:
             return RowSlice(t, s.global_shape, s.row_start, param)
-        return RowSlice(t.to(dtype), s.global_shape, s.row_start, None)
+        if self._snapfree:  # held as a snapshot of its own: the cast is that snapshot
+            return RowSlice(t.to(dtype), s.global_shape, s.row_start, None)
+        return RowSlice(t, s.global_shape, s.row_start, None, dtype)  # cast frame by frame
 
     # --- versions -------------------------------------------------------------------------
 

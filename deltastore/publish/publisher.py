@@ -75,7 +75,7 @@ from deltastore.publish.snapshot import (
 from deltastore.publish.upload import PackWriter, Uploads, copy_object_bytes
 from deltastore.store import Store, open_store
 from deltastore.store.counting import CountingStore, critical_path
-from deltastore.tensors.dtypes import dtype_name, host_words
+from deltastore.tensors.dtypes import CastWords, dtype_name, host_words
 from deltastore.tensors.host import Tensors
 from deltastore.tensors.tables import check_table, raise_if_mismatched
 
@@ -321,7 +321,7 @@ class ChainWriter:
     def _encode(
         self,
         version: int,
-        host: Mapping[str, np.ndarray],
+        host: Mapping[str, np.ndarray | CastWords],
         specs: Mapping[str, tuple[str, list[int]]],
         parent_state: Mapping[str, TensorState] | None,
         kind: str,
@@ -356,7 +356,7 @@ class ChainWriter:
 
     def _pack(
         self,
-        host: Mapping[str, np.ndarray],
+        host: Mapping[str, np.ndarray | CastWords],
         specs: Mapping[str, tuple[str, list[int]]],
         parent_state: Mapping[str, TensorState] | None,
         kind: str,
@@ -458,7 +458,7 @@ class ChainWriter:
         version: int,
         kind: Literal["anchor", "delta"],
         parent: Parent | None,
-        host: Mapping[str, np.ndarray],
+        host: Mapping[str, np.ndarray | CastWords],
         pending: Pending,
         t_start: float,
         anchor_reason: str | None = None,

@@ -59,7 +59,7 @@ from deltastore.publish.runs import abort_key, check_run, check_run_id, part_key
 from deltastore.publish.slice_check import check_slices, words_adler
 from deltastore.publish.snapshot import TensorSums, row_range
 from deltastore.store import Store
-from deltastore.tensors.dtypes import np_words
+from deltastore.tensors.dtypes import CastWords, np_words
 
 if TYPE_CHECKING:
     from torch import nn
@@ -88,6 +88,17 @@ class RowSlice:
     #: The optimizer's parameter these rows belong to, when it is not ``tensor`` itself (an
     #: FSDP2 DTensor); a snapshot-free writer finds the optimizer state through it.
     param: torch.Tensor | None = None
+    #: Publish the rows cast to this dtype (None: ``tensor``'s), cast a frame at a time
+    #: during the publish, never all at once (a memory-snapshot writer; a snapshot-free one
+    #: takes the dtype of what it is given).
+    dtype: torch.dtype | None = None
+
+    def words(self) -> np.ndarray | CastWords:
+        """What is published of these rows: their words, or their cast words a slice at a
+        time (:class:`~deltastore.tensors.dtypes.CastWords`) when :attr:`dtype` differs."""
+        if self.dtype is not None and self.dtype != self.tensor.dtype:
+            return CastWords(self.tensor, self.dtype)
+        return np_words(self.tensor.detach().cpu().contiguous())
 
     @classmethod
     def whole(cls, tensor: torch.Tensor) -> RowSlice:
@@ -138,7 +149,7 @@ def _slice_spec(name: str, s: RowSlice) -> tuple[tuple[str, list[int]], Rows]:
             f"{name}: global_shape and row_start must be integers, got "
             f"{s.global_shape!r} and {s.row_start!r}"
         ) from None
-    spec = table_entry(name, s.tensor.dtype, shape)
+    spec = table_entry(name, s.dtype or s.tensor.dtype, shape)
     local = list(s.tensor.shape)
     rows, n = (shape[0] if shape else 1), (local[0] if local else 1)
     fits = min(shape, default=0) >= 0 and len(local) == len(shape) and local[1:] == shape[1:]
@@ -245,6 +256,7 @@ class ShardWriter(ChainWriter):
         for name, s in slices.items():
             specs[name], rows[name] = _slice_spec(name, s)
         if self._snapfree is not None:
+            _no_cast(slices)
             return self._publish_snapshot_free(slices, rows, version, anchor, progress, t_start)
         held = self._held.tensors
         same = held is not None and {n: (*specs[n], rows[n]) for n in specs} == {
@@ -259,7 +271,7 @@ class ShardWriter(ChainWriter):
         parent = self._parent() if parent_state is not None else None
         kind: Literal["anchor", "delta"] = "delta" if parent is not None else "anchor"
         reason = self._copy_reason() if kind == "delta" else _anchor_reason(anchor, held)
-        host = {n: np_words(s.tensor.detach().cpu().contiguous()) for n, s in slices.items()}
+        host = {n: s.words() for n, s in slices.items()}
         self._inflight = None
         full = kind == "delta" and reason is not None
         pending = self._encode(version, host, specs, parent_state, kind, progress, rows, full=full)
@@ -434,6 +446,7 @@ class ShardWriter(ChainWriter):
         for name, s in slices.items():
             specs[name], rows[name] = _slice_spec(name, s)
         if self._snapfree is not None:
+            _no_cast(slices)
             return self._attach_snapshot_free(slices, rows, manifest)
         for name in slices:
             entry = manifest.tensors.get(name)
@@ -442,7 +455,7 @@ class ShardWriter(ChainWriter):
                     f"{name}: {specs[name][0]}{specs[name][1]} is not a tensor of version "
                     f"{manifest.version}"
                 )
-        host = {n: np_words(s.tensor.detach().cpu().contiguous()) for n, s in slices.items()}
+        host = {n: _array(s.words()) for n, s in slices.items()}
         sums = {n: self._checksums(w) for n, w in host.items()}
         ranges = {n: row_range(specs[n][1], rows[n]) for n in host}
         readers = {n: partial(words_adler, w) for n, w in host.items()}
@@ -508,6 +521,21 @@ def _items(sf: SnapshotFree, slices: Mapping[str, RowSlice]) -> dict[str, Item]:
         owners={n: s.param for n, s in slices.items()},
         shapes={n: s.global_shape for n, s in slices.items()},
     )
+
+
+def _no_cast(slices: Mapping[str, RowSlice]) -> None:
+    """:class:`TensorMismatchError` for a cast slice given to a snapshot-free writer."""
+    cast = [n for n, s in slices.items() if s.dtype is not None and s.dtype != s.tensor.dtype]
+    if cast:
+        raise TensorMismatchError(
+            f"RowSlice.dtype is for memory-snapshot writers ({', '.join(cast[:5])}); with "
+            "snapshot='none' pass the tensors as they are (float32 parameters of the optimizer "
+            "are published as bfloat16)"
+        )
+
+
+def _array(words: np.ndarray | CastWords) -> np.ndarray:
+    return words.copy() if isinstance(words, CastWords) else words
 
 
 def _anchor_reason(anchor: bool | None, held: object) -> str:

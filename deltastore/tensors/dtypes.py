@@ -116,7 +116,32 @@ def host_words(t: Tensor) -> np.ndarray:
     return np_words(t.detach().cpu().contiguous())
 
 
+class CastWords:
+    """The words of ``tensor`` cast to ``dtype`` (1-D, element order, little-endian), made a
+    slice at a time: what a writer publishes of weights kept in another dtype (float32 master
+    weights published as bfloat16) without a cast copy of them all, frame by frame. A slice is
+    a new array (a tensor on a device is copied to host memory a slice at a time too); the
+    tensor must not change while a publish reads it. Thread-safe (each slice is its own)."""
+
+    def __init__(self, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        self._flat = tensor.detach().reshape(-1)
+        self._to = dtype
+        self.size = int(self._flat.numel())
+        self.dtype = word_dtype(dtype.itemsize)
+        self.nbytes = self.size * dtype.itemsize
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        """The cast words of elements ``key`` (a slice of element positions)."""
+        part = self._flat[key].to(device="cpu", dtype=self._to).contiguous()
+        return np_words(part)
+
+    def copy(self) -> np.ndarray:
+        """All the cast words, as one array of their own."""
+        return self[:]
+
+
 __all__ = [
+    "CastWords",
     "dtype_from_name",
     "dtype_name",
     "flat_words",
