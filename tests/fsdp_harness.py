@@ -22,7 +22,8 @@ What the model holds (names as ``state_dict`` spells them):
 - ``side.mix`` (16 x 16): a DTensor with ``Replicate()`` on every mesh dimension (replicated
   by hand, left out of FSDP), gradient averaged by hand;
 - ``side.proj`` (16 x 24): a DTensor sharded on dim 1 (``Shard(1)`` on the last mesh
-  dimension, ``Replicate()`` on the others): not a row range, the writers redistribute it to dim-0 rows;
+  dimension, ``Replicate()`` on the others): not a row range, the writers redistribute it to
+  dim-0 rows;
 - buffers: ``pos`` (8 x 16, persistent, one row nudged per step), ``seen`` (0-dim, persistent,
   counts the steps), ``scratch`` (non-persistent: never published).
 """
