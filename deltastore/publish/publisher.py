@@ -82,6 +82,7 @@ from deltastore.tensors.tables import check_table, raise_if_mismatched
 if TYPE_CHECKING:
     import torch
 
+    from deltastore.publish.snapfree_prepare import Prepared
     from deltastore.publish.snapfree_writer import SnapshotFree
 
 log = logging.getLogger(__name__)
@@ -484,6 +485,23 @@ class ChainWriter:
             anchor_copy_bytes=anchor_copy_bytes,
         )
 
+    def _prepared_report(
+        self,
+        prep: Prepared,
+        version: int,
+        t_start: float,
+        reason: str | None,
+        copy_bytes: int | None,
+    ) -> PublishReport:
+        """The report of a snapshot-free publish (``prep``): its sizes and stats."""
+        report = self._report(
+            version, prep.kind, prep.parent, {}, prep.pending, t_start, reason, copy_bytes
+        )
+        numel, dense = prep.sizes
+        return dataclasses.replace(
+            report, total_elements=numel, dense_bytes=dense, snapshot_free=prep.stats
+        )
+
     def _adopt(
         self,
         manifest: Manifest,
@@ -712,22 +730,8 @@ class Publisher(ChainWriter):
         prep.adopt(self, sf, committed.manifest)
         self._account(committed.manifest, stored_size(committed), copy)
         reason = prep.reason if prep.kind == "anchor" or copy is not None else None
-        report = self._report(
-            version,
-            prep.kind,
-            prep.parent,
-            {},
-            prep.pending,
-            t_start,
-            reason,
-            None if copy is None else copy.payload_bytes,
-        )
-        numel, dense = prep.sizes
-        return _logged(
-            dataclasses.replace(
-                report, total_elements=numel, dense_bytes=dense, snapshot_free=prep.stats
-            )
-        )
+        copy_bytes = None if copy is None else copy.payload_bytes
+        return _logged(self._prepared_report(prep, version, t_start, reason, copy_bytes))
 
 
 def stored_size(committed: Committed) -> int:

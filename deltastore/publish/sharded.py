@@ -31,7 +31,7 @@ import operator
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -416,18 +416,7 @@ class ShardWriter(ChainWriter):
         )
         part = self._write_part(version, prep.parent, prep.pending, rows)
         self._inflight = _Inflight(part, prep.pending, {}, prep)
-        report = self._report(
-            version,
-            prep.kind,
-            prep.parent,
-            {},
-            prep.pending,
-            t_start,
-            prep.reason,
-            _copy_bytes(prep.pending),
-        )
-        numel, dense = prep.sizes
-        return replace(report, total_elements=numel, dense_bytes=dense, snapshot_free=prep.stats)
+        return self._prepared_report(prep, version, t_start, prep.reason, _copy_bytes(prep.pending))
 
     def attach(self, slices: Mapping[str, RowSlice], *, version: int | None = None) -> int:
         """Continue the chain from this writer's ``slices`` of the store's newest version
