@@ -49,14 +49,13 @@ from deltastore.errors import ManifestError, ObjectNotFoundError, StoreError
 from deltastore.format.keys import DATA_PREFIX, MANIFEST_PREFIX
 from deltastore.maintenance.retention import DEFAULT_LEASE_GRACE_S, RetentionReport, retain
 from deltastore.publish.parts import parse_part
-from deltastore.publish.runs import PART_KEY, abort_key, current_run
+from deltastore.publish.runs import RUN_ABORT_KEY, abort_key, current_run, group_parts
 from deltastore.store import LocalStore, Store, open_store
 
 #: Orphans younger than this many seconds are kept by default: a publish may be writing them.
 DEFAULT_MIN_AGE_S = 3600.0
 
 _VERSION_FOLDER = re.compile(r"versions/([0-9]{20})/")
-_RUN_ABORT = re.compile(r"^versions/([0-9]{20})/parts/([0-9a-f]{32})/abort\.json$")
 _TEMP_PREFIX = ".tmp-"
 
 
@@ -220,13 +219,9 @@ def _dead_run_keys(store: Store, keys: list[str], newest: int | None) -> set[str
     parts name. An abort marker itself stays while its version is above ``newest`` (it is what
     refuses a late commit with a clear error)."""
     present = set(keys)
-    folders: dict[tuple[int, str], list[str]] = {}
+    folders = {(v, r): parts for (v, r), parts in group_parts(keys).items() if r is not None}
     for key in keys:
-        m = PART_KEY.match(key)
-        if m is not None and m.group(2) is not None:
-            folders.setdefault((int(m.group(1)), m.group(2)), []).append(key)
-    for key in keys:
-        m = _RUN_ABORT.match(key)
+        m = RUN_ABORT_KEY.match(key)
         if m is not None:
             folders.setdefault((int(m.group(1)), m.group(2)), [])
     if not folders:

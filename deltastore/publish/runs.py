@@ -23,6 +23,7 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -42,6 +43,8 @@ RUN_PREFIX = "runs/"
 #: A run id: 32 lowercase hex digits.
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 _RUN_KEY = re.compile(r"^runs/([0-9]{20})\.json$")
+#: A run's abort marker: groups version, run.
+RUN_ABORT_KEY = re.compile(r"^versions/([0-9]{20})/parts/([0-9a-f]{32})/abort\.json$")
 #: A part key, with or without a run folder: groups version, run (or None), rank, world.
 PART_KEY = re.compile(
     r"^versions/([0-9]{20})/parts/(?:([0-9a-f]{32})/)?([0-9]{6})-of-([0-9]{6})\.json$"
@@ -186,12 +189,13 @@ def write_abort(store: Store, version: int, run: str | None, reason: str) -> Non
         log.debug("abort marker of version %d (run %s) not written: %s", version, run, exc)
 
 
-def leftover_parts(store: Store, *, above: int | None) -> dict[tuple[int, str | None], list[str]]:
-    """The part keys under versions above ``above`` (all versions: None), by (version, run).
-    One listing of ``versions/``: it grows with the store's data objects, so this is for
-    restarts and gc, not for every publish."""
+def group_parts(
+    keys: Iterable[str], *, above: int | None = None
+) -> dict[tuple[int, str | None], list[str]]:
+    """The part keys among ``keys`` (a listing of ``versions/``) by (version, run), for
+    versions above ``above`` (all: None)."""
     found: dict[tuple[int, str | None], list[str]] = {}
-    for key in store.list(DATA_PREFIX):
+    for key in keys:
         m = PART_KEY.match(key)
         if m is None:
             continue
@@ -211,11 +215,13 @@ def abandon_parts(
     and their data objects stay until ``gc --orphans`` removes them. Returns the (version, run)
     pairs given up, sorted."""
     given_up: list[tuple[int, str | None]] = []
-    for version, run in sorted(leftover_parts(store, above=above), key=_by_version):
-        if run == keep_run or store.exists(manifest_key(version)):
+    keys = store.list(DATA_PREFIX)  # grows with the data objects: for restarts, not publishes
+    present = set(keys)
+    for version, run in sorted(group_parts(keys, above=above), key=_by_version):
+        if run == keep_run or abort_key(version, run) in present:
+            continue  # this run's, or given up before (by its run, or an earlier restart)
+        if store.exists(manifest_key(version)):
             continue
-        if abort_reason(store, version, run) is not None:
-            continue  # given up before (by a run, or an earlier restart)
         write_abort(store, version, run, reason)
         given_up.append((version, run))
     if given_up:
@@ -234,6 +240,7 @@ def _by_version(item: tuple[int, str | None]) -> tuple[int, str]:
 
 __all__ = [
     "PART_KEY",
+    "RUN_ABORT_KEY",
     "RUN_PREFIX",
     "RunRecord",
     "abandon_parts",
@@ -242,7 +249,7 @@ __all__ = [
     "check_run",
     "check_run_id",
     "current_run",
-    "leftover_parts",
+    "group_parts",
     "new_run_id",
     "newest_run",
     "part_key",
