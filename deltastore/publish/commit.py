@@ -350,6 +350,11 @@ class Committed:
     body: bytes
     copy: Manifest | None = None
 
+    @property
+    def stored_bytes(self) -> int:
+        """:func:`stored_bytes` of the manifest, from the bytes committed (no serializing)."""
+        return self.manifest.payload_bytes + len(self.body)
+
 
 def commit_version(
     store: Store,

@@ -664,7 +664,7 @@ class Publisher(ChainWriter):
         committed = self._commit(version, kind, parent, pending, enforced)
         copy = committed.copy
         self._adopt(committed.manifest, host, pending, incremental=parent is not None)
-        self._account(committed.manifest, stored_size(committed), copy)
+        self._account(committed.manifest, committed.stored_bytes, copy)
         report = self._report(
             version,
             kind,
@@ -728,15 +728,10 @@ class Publisher(ChainWriter):
         committed = self._commit(version, prep.kind, prep.parent, prep.pending, enforced)
         copy = committed.copy
         prep.adopt(self, sf, committed.manifest)
-        self._account(committed.manifest, stored_size(committed), copy)
+        self._account(committed.manifest, committed.stored_bytes, copy)
         reason = prep.reason if prep.kind == "anchor" or copy is not None else None
         copy_bytes = None if copy is None else copy.payload_bytes
         return _logged(self._prepared_report(prep, version, t_start, reason, copy_bytes))
-
-
-def stored_size(committed: Committed) -> int:
-    """What a reader fetches for a committed version: its frames and its manifest's bytes."""
-    return committed.manifest.payload_bytes + len(committed.body)
 
 
 def _logged(report: PublishReport) -> PublishReport:
