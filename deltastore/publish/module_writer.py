@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from functools import partial
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
-from deltastore.errors import ChainError, DeltastoreError, TensorMismatchError
+from deltastore.errors import ChainError, TensorMismatchError
 from deltastore.format.manifest import Manifest
 from deltastore.progress import ProgressFn
 from deltastore.publish.commit import head_version
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 log = logging.getLogger("deltastore.publish.sharded")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -122,26 +125,8 @@ class ModuleWriter:
         self.model, self.dtype, self.committer = model, dtype, committer
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self.run: str = self._broadcast(run or (new_run_id() if self.rank == committer else None))
-        failed: str | None = None
-        try:
-            self.writer = ShardWriter(url, self.rank, self.world, run=self.run, **options)
-            if self.rank == committer:  # older runs can no longer commit
-                register_run(self.writer.store, self.run, self.world)
-        except Exception as exc:  # every rank learns it: none waits in a collective
-            failed = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-            self._gather(failed)
-            raise
-        others = [f for f in self._gather(failed) if f is not None]
-        if others:
-            raise ChainError(f"ModuleWriter could not start on every rank: {others[0]}")
+        self.writer: ShardWriter = self._agree("start", partial(self._start, url, options))
         self.store = self.writer.store
-        optimizer = options.get("optimizer")
-        self._optimized = (
-            {id(p) for g in optimizer.param_groups for p in g["params"]}
-            if optimizer is not None
-            else set()
-        )
-        self._snapfree = snapfree
         #: Why the next publish is an anchor, as :meth:`resume` decided (None: as usual).
         self._anchor_next: str | None = None
         self._tried: int | None = None  # the newest version this writer published or tried
@@ -152,7 +137,28 @@ class ModuleWriter:
         """The version this rank holds (None before its first finished step or resume)."""
         return self.writer.version
 
+    def _start(self, url: str | os.PathLike[str] | Store, options: dict[str, Any]) -> ShardWriter:
+        writer = ShardWriter(url, self.rank, self.world, run=self.run, **options)
+        if self.rank == self.committer:  # older runs can no longer commit
+            register_run(writer.store, self.run, self.world)
+        return writer
+
     # --- collectives ----------------------------------------------------------------------
+
+    def _agree(self, what: str, work: Callable[[], T]) -> T:
+        """``work()`` on this rank, then one collective: when it raised on any rank, every
+        rank raises (this rank its own error, the others a :class:`ChainError` naming the
+        rank), so that none is left waiting in a later collective."""
+        failed: str | None = None
+        try:
+            result = work()
+        except Exception as exc:
+            self._gather(f"rank {self.rank}: {type(exc).__name__}: {exc}")
+            raise
+        others = [f for f in self._gather(failed) if f is not None]
+        if others:
+            raise ChainError(f"ModuleWriter {what} failed on another rank: {others[0]}")
+        return result
 
     def _broadcast(self, value: Any) -> Any:
         """``value`` of the committer rank, on every rank."""
@@ -194,13 +200,15 @@ class ModuleWriter:
         from torch.distributed.tensor import DTensor
 
         chosen = self._plan()
+        sf = self.writer._snapfree
+        optimized = sf.param_ids() if sf is not None else set()
         out: dict[str, RowSlice] = {}
         for name, t in self._tensors():
             if not chosen.get(name, False):
                 continue  # another mesh's replica (or another rank) writes it
             s = self._dtensor_slice(name, t) if isinstance(t, DTensor) else self._plain_slice(t)
             if s is not None:
-                out[name] = self._cast(s, optimized=id(t) in self._optimized)
+                out[name] = self._cast(s, optimized=id(t) in optimized)
         return out
 
     def _plan(self) -> dict[str, bool]:
@@ -274,7 +282,8 @@ class ModuleWriter:
         snapshots of their own). Then :attr:`dtype`, for floating slices of other tensors:
         cast by the writer a frame at a time (:attr:`RowSlice.dtype`), never a whole copy."""
         t, param = s.tensor, s.param
-        if self._snapfree:
+        snapfree = self.writer._snapfree is not None
+        if snapfree:
             if not optimized:
                 param = None
             elif param is None and t.dtype == torch.float32:
@@ -284,7 +293,7 @@ class ModuleWriter:
         dtype = self.dtype
         if dtype is None or not t.is_floating_point() or t.dtype == dtype:
             return RowSlice(t, s.global_shape, s.row_start, param)
-        if self._snapfree:  # held as a snapshot of its own: the cast is that snapshot
+        if snapfree:  # held as a snapshot of its own: the cast is that snapshot
             return RowSlice(t.to(dtype), s.global_shape, s.row_start, None)
         return RowSlice(t, s.global_shape, s.row_start, None, dtype)  # cast frame by frame
 
@@ -299,27 +308,7 @@ class ModuleWriter:
         against the Adler-32 of the frames that stored them). The next :meth:`step` is a delta
         when every rank matched, else an anchor from every rank. Parts left behind are removed
         by ``gc --orphans`` (see :func:`deltastore.maintenance.gc`)."""
-        info: tuple[int | None, list[int]] | str | None = None
-        if self.rank == self.committer:
-            try:
-                head = head_version(self.store)
-                given_up = abandon_parts(
-                    self.store,
-                    above=head,
-                    keep_run=self.run,
-                    reason="uncommitted parts of a crashed or stopped run, abandoned by "
-                    f"resume() of run {self.run}",
-                )
-                info = (head, [v for v, _ in given_up])
-            except DeltastoreError as exc:
-                info = f"{type(exc).__name__}: {exc}"
-                self._broadcast(info)
-                raise
-        info = self._broadcast(info)
-        if isinstance(info, str):
-            raise ChainError(f"resume() failed on the committer rank {self.committer}: {info}")
-        assert info is not None
-        head, abandoned = info
+        head, abandoned = self._broadcast(self._agree("resume", self._abandon))
         why: str | None = "the store holds no version" if head is None else None
         if head is not None:
             try:
@@ -333,6 +322,21 @@ class ModuleWriter:
         if reason is not None and head is not None:
             log.warning("resume at version %d: the next version is an anchor (%s)", head, reason)
         return ResumeReport(head, kind, tuple(sorted(set(abandoned))), reason)
+
+    def _abandon(self) -> tuple[int | None, list[int]] | None:
+        """On the committer: the store's head, and the versions above it given up (see
+        :meth:`resume`); None on the other ranks."""
+        if self.rank != self.committer:
+            return None
+        head = head_version(self.store)
+        given_up = abandon_parts(
+            self.store,
+            above=head,
+            keep_run=self.run,
+            reason=f"uncommitted parts of a crashed or stopped run, abandoned by resume() of run "
+            f"{self.run}",
+        )
+        return head, [v for v, _ in given_up]
 
     def next_version(self) -> int:
         """One above the version held and the last one this writer tried (a version given

@@ -149,6 +149,10 @@ class SnapshotFree:
                     storage[(p.data_ptr(), tuple(p.shape))] = p
         return ids, storage
 
+    def param_ids(self) -> set[int]:
+        """The ``id()`` of every parameter of the optimizer (its param groups now)."""
+        return {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+
     def items(
         self,
         tensors: Mapping[str, torch.Tensor],
