@@ -25,7 +25,10 @@ from deltastore_cli.common import (
 from deltastore_cli.options import SizeName, StorageOpt
 
 if TYPE_CHECKING:
+    from deltastore.bench.schema import BenchResult
+    from deltastore.bench.sharded_schema import ShardedResult
     from deltastore.bench.trainer import TrainerOptions
+    from deltastore.bench.trainer_schema import TrainerResult
 
 BenchSizeOpt = Annotated[
     SizeName | None,
@@ -160,17 +163,9 @@ def bench(
             log=log,
         )
     )
-    report = markdown(result)
-    if json_path is not None:
-        json_path.write_text(result.model_dump_json(indent=1) + "\n")
-    if markdown_path is not None:
-        markdown_path.write_text(report)
     if plot_path is not None:
         plot(result, plot_path)
-    settle()
-    out_console.print(Text(report), highlight=False, end="")
-    if not result.exact:
-        raise typer.Exit(EXIT_MISMATCH)
+    _finish(result, markdown(result), json_path, markdown_path)
 
 
 def _trainer(
@@ -183,15 +178,7 @@ def _trainer(
     from deltastore.bench.trainer_report import trainer_markdown
 
     result = run_trainer(options)
-    report = trainer_markdown(result)
-    if json_path is not None:
-        json_path.write_text(result.model_dump_json(indent=1) + "\n")
-    if markdown_path is not None:
-        markdown_path.write_text(report)
-    settle()
-    out_console.print(Text(report), highlight=False, end="")
-    if not result.exact:
-        raise typer.Exit(EXIT_MISMATCH)
+    _finish(result, trainer_markdown(result), json_path, markdown_path)
 
 
 def _sharded(
@@ -226,7 +213,17 @@ def _sharded(
             log=log,
         )
     )
-    report = sharded_markdown(result)
+    _finish(result, sharded_markdown(result), json_path, markdown_path)
+
+
+def _finish(
+    result: BenchResult | TrainerResult | ShardedResult,
+    report: str,
+    json_path: Path | None,
+    markdown_path: Path | None,
+) -> None:
+    """Write a run's JSON and markdown where asked, print the report; exit with
+    ``EXIT_MISMATCH`` when a receiver was not bit-exact."""
     if json_path is not None:
         json_path.write_text(result.model_dump_json(indent=1) + "\n")
     if markdown_path is not None:

@@ -8,6 +8,7 @@ Everything works on flat ``int16`` views of bf16 words (never on floats: float c
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -15,6 +16,20 @@ from types import TracebackType
 
 import numpy as np
 import xxhash
+
+
+def stderr_log(msg: str) -> None:
+    """The benchmarks' default progress log: one line to standard error, flushed."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def load_average() -> float:
+    """The 1-minute load average (-1.0 where the system does not tell)."""
+    try:
+        return float(os.getloadavg()[0])
+    except OSError:
+        return -1.0
+
 
 #: Bytes of one comparison chunk (chunked ``not_equal`` into a reused bool buffer, then
 #: ``flatnonzero``: docs/performance.md, Measured limits and pitfalls).

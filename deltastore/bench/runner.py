@@ -13,7 +13,6 @@ import logging
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
 import uuid
@@ -36,7 +35,7 @@ from deltastore.bench.analysis import (
     medians,
     method_results,
 )
-from deltastore.bench.ops import cpu_model, memory_bytes
+from deltastore.bench.ops import cpu_model, memory_bytes, stderr_log
 from deltastore.bench.schema import (
     SYSTEMS,
     BenchResult,
@@ -59,10 +58,6 @@ Log = Callable[[str], None]
 _BUCKET = "deltastore-bench"
 
 
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 @dataclass
 class BenchOptions:
     """What :func:`run_bench` runs. ``stores``: ``"local"`` (a temporary folder), ``"moto"``
@@ -83,7 +78,7 @@ class BenchOptions:
     scaling_versions: int = 3
     #: A shaped link (:data:`deltastore.testing.link.LINKS`) in front of the moto store.
     link: str | None = None
-    log: Log = field(default=_stderr, repr=False)
+    log: Log = field(default=stderr_log, repr=False)
 
     def spec(self, size: str | None = None) -> WorkloadSpec:
         return WorkloadSpec(
@@ -282,7 +277,7 @@ def run_store(
     store: BenchStore,
     wl: Workload,
     systems: Sequence[str],
-    log: Log = _stderr,
+    log: Log = stderr_log,
     scaling: Scaling | None = None,
 ) -> tuple[StoreResult, ScalingSide | None]:
     """Every system through ``store``, deltastore's derived numbers there, and (with

@@ -29,7 +29,6 @@ import gc
 import multiprocessing
 import os
 import shutil
-import sys
 import tempfile
 import time
 import traceback
@@ -42,7 +41,7 @@ import numpy as np
 import torch
 
 from deltastore.bench.analysis import _check
-from deltastore.bench.ops import RssMeter, digest, rss_bytes
+from deltastore.bench.ops import RssMeter, digest, load_average, rss_bytes, stderr_log
 from deltastore.bench.schema import BarCheck
 from deltastore.bench.sharded_schema import (
     DensitySummary,
@@ -73,10 +72,6 @@ METHOD = (
 )
 
 
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 @dataclass
 class ShardedOptions:
     """What :func:`run_sharded` runs. ``size``: a name of :data:`SHARDED_SIZES`;
@@ -95,7 +90,7 @@ class ShardedOptions:
     workdir: str | os.PathLike[str] | None = None
     verify: bool = True
     in_process: bool = False
-    log: Log = field(default=_stderr, repr=False)
+    log: Log = field(default=stderr_log, repr=False)
 
 
 # --- a rank -----------------------------------------------------------------------------------
@@ -428,7 +423,7 @@ def run_sharded(options: ShardedOptions) -> ShardedResult:
     from deltastore.bench.runner import machine_info
 
     t_start = time.perf_counter()
-    load_start = _load()
+    load_start = load_average()
     if options.size not in SHARDED_SIZES:
         raise ValueError(f"unknown size {options.size!r}; choose one of {list(SHARDED_SIZES)}")
     if options.world < 1 or options.repeats < 1:
@@ -488,7 +483,7 @@ def run_sharded(options: ShardedOptions) -> ShardedResult:
             f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")
         )
         or "glibc default",
-        load_average=[load_start, _load()],
+        load_average=[load_start, load_average()],
         bars=bar_checks(summary),
         exact=exact,
         wall_s=time.perf_counter() - t_start,
@@ -534,10 +529,3 @@ def _name(s: DensitySummary) -> str:
     if s.density is None:
         return "anchor"
     return f"{s.density:.0%}" + (" + anchor copy" if s.anchor_copy else "")
-
-
-def _load() -> float:
-    try:
-        return float(os.getloadavg()[0])
-    except OSError:
-        return -1.0

@@ -27,7 +27,6 @@ import multiprocessing
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import traceback
@@ -38,7 +37,14 @@ from typing import Any
 import torch
 
 from deltastore.bench.analysis import _check
-from deltastore.bench.ops import RssMeter, digest, memory_bytes, rss_bytes
+from deltastore.bench.ops import (
+    RssMeter,
+    digest,
+    load_average,
+    memory_bytes,
+    rss_bytes,
+    stderr_log,
+)
 from deltastore.bench.schema import BarCheck
 from deltastore.bench.trainer_ops import (
     kernel_time,
@@ -84,10 +90,6 @@ RSS_METHOD = (
 )
 
 
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 @dataclass
 class TrainerOptions:
     """What :func:`run_trainer` runs. ``size``: a size of the bench's table or ``"auto"``
@@ -112,7 +114,7 @@ class TrainerOptions:
     #: Run each publisher's trainer in this process (tests: no process start-up; the RSS
     #: numbers then include whatever this process holds).
     in_process: bool = False
-    log: Log = field(default=_stderr, repr=False)
+    log: Log = field(default=stderr_log, repr=False)
 
 
 def choose_size(size: str, memory: int) -> tuple[str, str]:
@@ -465,7 +467,7 @@ def run_trainer(options: TrainerOptions) -> TrainerResult:
     from deltastore.bench.runner import machine_info
 
     t_start = time.perf_counter()
-    load_start = _load()
+    load_start = load_average()
     log = options.log
     unknown = set(options.publishers) - set(PUBLISHERS)
     if unknown or not options.publishers:
@@ -535,19 +537,11 @@ def run_trainer(options: TrainerOptions) -> TrainerResult:
         payload_ratio=payload,
         same_versions=len(digests) <= 1,
         rss_method=RSS_METHOD,
-        load_average=[load_start, _load()],
+        load_average=[load_start, load_average()],
         bars=bar_checks(runs, 2 * numel, payload),
         exact=all(r.exact is not False for r in done) and len(digests) <= 1,
         wall_s=time.perf_counter() - t_start,
     )
-
-
-def _load() -> float:
-    """The 1-minute load average (other processes compete for the cores; -1 if unknown)."""
-    try:
-        return float(os.getloadavg()[0])
-    except OSError:
-        return -1.0
 
 
 def _log_run(log: Log, run: PublisherRun) -> None:
