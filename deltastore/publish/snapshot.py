@@ -77,10 +77,7 @@ class FrameChange:
         """The uint32 positions of the changes (made from the bitmap if they were dropped)."""
         if self.found is not None:
             return self.found
-        if not self.bitmap:
-            return self.where
-        at = np.unpackbits(self.where, count=self.n).view(np.bool_)
-        return np.flatnonzero(at).astype(np.uint32)
+        return _positions(self.where, self.n, self.bitmap)
 
     def held(self) -> HeldFrame:
         """What a writer keeps of this change until its commit: no encoder's positions, the
@@ -143,18 +140,22 @@ class HeldFrame:
 
     def positions(self) -> np.ndarray:
         """The uint32 positions of the changes."""
-        if not self.bitmap:
-            return self.where
-        return np.flatnonzero(np.unpackbits(self.where, count=self.n)).astype(np.uint32)
+        return _positions(self.where, self.n, self.bitmap)
 
     def apply(self, words: np.ndarray) -> None:
         """XOR the masks into ``words`` (the frame's ``n`` held words, in place)."""
         masks = self.masks.masks() if isinstance(self.masks, PackedMasks) else self.masks
-        if self.bitmap:
-            at = np.unpackbits(self.where, count=self.n).view(np.bool_)
-            words[at] ^= masks
-        else:
-            words[self.where] ^= masks
+        words[_unpacked(self.where, self.n) if self.bitmap else self.where] ^= masks
+
+
+def _unpacked(bitmap: np.ndarray, n: int) -> np.ndarray:
+    """A :func:`numpy.packbits` bitmap of ``n`` elements as a bool mask."""
+    return np.unpackbits(bitmap, count=n).view(np.bool_)
+
+
+def _positions(where: np.ndarray, n: int, bitmap: bool) -> np.ndarray:
+    """uint32 positions of changes held as positions (``where`` itself) or as a bitmap."""
+    return np.flatnonzero(_unpacked(where, n)).astype(np.uint32) if bitmap else where
 
 
 @dataclass(frozen=True)
