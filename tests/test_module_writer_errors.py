@@ -3,18 +3,16 @@ whose publish raises; and the version after a failed one (two gloo processes, CP
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.distributed.fsdp")
+
+from tests import fsdp_harness as H  # noqa: E402
 
 WORLD = 2
 
@@ -36,70 +34,57 @@ def _train(model: Any, opt: Any, step: int) -> None:
     opt.zero_grad()
 
 
-def _worker(rank: int, cfg: dict[str, Any]) -> None:
+def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from deltastore import ModuleWriter, Subscriber, VersionNotCommittedError
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{cfg['init']}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(minutes=3),
-    )
     out: dict[str, Any] = {}
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # a rank that cannot start: every rank raises, none waits in a collective
+    bad = {"max_frame_bytes": 4} if rank == 1 else {}
+    t0 = time.monotonic()
     try:
-        model = _model()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        # a rank that cannot start: every rank raises, none waits in a collective
-        bad = {"max_frame_bytes": 4} if rank == 1 else {}
-        t0 = time.monotonic()
-        try:
-            ModuleWriter(cfg["store"], model, timeout_s=60, **bad)
-        except Exception as exc:
-            out["start"] = [type(exc).__name__, str(exc), time.monotonic() - t0]
-        w = ModuleWriter(cfg["store"], model, timeout_s=60, poll_s=0.01)
-        w.resume()
-        w.step()  # v1, an anchor
-        _train(model, opt, 1)
+        ModuleWriter(cfg["store"], model, timeout_s=60, **bad)
+    except Exception as exc:
+        out["start"] = [type(exc).__name__, str(exc), time.monotonic() - t0]
+    w = ModuleWriter(cfg["store"], model, timeout_s=60, poll_s=0.01)
+    w.resume()
+    w.step()  # v1, an anchor
+    _train(model, opt, 1)
 
-        def fail(_: int) -> None:
-            raise RuntimeError("rank 1 lost its disk")
+    def fail(_: int) -> None:
+        raise RuntimeError("rank 1 lost its disk")
 
-        t0 = time.monotonic()
-        try:
-            w.step(progress=fail if rank == 1 else None)
-        except Exception as exc:
-            out["failed"] = [type(exc).__name__, str(exc), time.monotonic() - t0]
-        try:
-            w.commit(2)  # the version given up is never committed
-        except VersionNotCommittedError as exc:
-            out["late"] = str(exc)
-        out["next"] = w.next_version()
-        report = w.step()  # the next version: past the one given up, a delta on v1
-        out["after"] = [report.version, report.kind, w.version]
-        if rank == 0:
-            sub = Subscriber(cfg["store"])
-            sub.sync()
-            assert sub.tensors is not None
-            out["exact"] = all(
-                torch.equal(sub.tensors[n].view(torch.int32), p.full_tensor().view(torch.int32))
-                for n, p in model.named_parameters()
-            )
-        else:
-            for p in model.parameters():
-                p.full_tensor()  # the collective rank 0 makes
-        Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(out))
-    finally:
-        dist.destroy_process_group()
+    t0 = time.monotonic()
+    try:
+        w.step(progress=fail if rank == 1 else None)
+    except Exception as exc:
+        out["failed"] = [type(exc).__name__, str(exc), time.monotonic() - t0]
+    try:
+        w.commit(2)  # the version given up is never committed
+    except VersionNotCommittedError as exc:
+        out["late"] = str(exc)
+    out["next"] = w.next_version()
+    report = w.step()  # the next version: past the one given up, a delta on v1
+    out["after"] = [report.version, report.kind, w.version]
+    if rank == 0:
+        sub = Subscriber(cfg["store"])
+        sub.sync()
+        assert sub.tensors is not None
+        out["exact"] = all(
+            torch.equal(sub.tensors[n].view(torch.int32), p.full_tensor().view(torch.int32))
+            for n, p in model.named_parameters()
+        )
+    else:
+        for p in model.parameters():
+            p.full_tensor()  # the collective rank 0 makes
+    return out
 
 
 def test_failures_stop_every_rank_and_the_next_version_skips_the_failed_one(
     tmp_path: Path,
 ) -> None:
-    cfg = {"init": str(tmp_path / "init"), "store": str(tmp_path / "store"), "out": str(tmp_path)}
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(cfg,), nprocs=WORLD, join=True)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    ranks = H.spawn(_worker, WORLD, {"dir": str(tmp_path), "store": str(tmp_path / "store")})
     # start: rank 1's own ValueError, rank 0 told which rank failed
     assert ranks[1]["start"][0] == "ValueError"
     assert ranks[0]["start"][0] == "ChainError" and "rank 1: ValueError" in ranks[0]["start"][1]

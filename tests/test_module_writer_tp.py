@@ -12,84 +12,72 @@ Every version bit-exact against ``full_tensor()``."""
 
 from __future__ import annotations
 
-import json
-import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.distributed.fsdp")
+
+from tests import fsdp_harness as H  # noqa: E402
 
 WORLD, STEPS = 4, 6
 
 
-def _worker(rank: int, cfg: dict[str, Any]) -> None:
+def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from deltastore import ModuleWriter, Subscriber
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{cfg['init']}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(minutes=3),
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    g = torch.Generator().manual_seed(0)  # the same weights on both replicas
+    model = torch.nn.Module()
+    model.up = torch.nn.Parameter(
+        distribute_tensor(torch.randn(13, 6, generator=g), tp, [Shard(0)])
     )
-    try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        tp = mesh["tp"]
-        g = torch.Generator().manual_seed(0)  # the same weights on both replicas
-        model = torch.nn.Module()
-        model.up = torch.nn.Parameter(
-            distribute_tensor(torch.randn(13, 6, generator=g), tp, [Shard(0)])
-        )
-        model.down = torch.nn.Parameter(
-            distribute_tensor(torch.randn(6, 13, generator=g), tp, [Shard(1)])
-        )
-        model.bias = torch.nn.Parameter(torch.randn(6, generator=g))
-        dparams = [model.up, model.down]
-        opts = [
-            torch.optim.AdamW(dparams, lr=1e-2, foreach=False),
-            torch.optim.AdamW([model.bias], lr=1e-2),
-        ]
-        w = ModuleWriter(cfg["store"], model, timeout_s=60)
-        w.resume()
-        sub = Subscriber(cfg["store"]) if rank == 0 else None
-        out: dict[str, Any] = {"rows": {}, "exact": []}
-        for step in range(STEPS):
-            if step:
-                gg = torch.Generator().manual_seed(step)  # the same gradients on both replicas
-                for p in dparams:
-                    full = torch.randn(p.shape, generator=gg)
-                    p.grad = distribute_tensor(full, tp, list(p.placements))
-                model.bias.grad = torch.randn(6, generator=gg)
-                for o in opts:
-                    o.step()
-                    o.zero_grad()
-            w.step()
-            truth = {
-                n: p.full_tensor() if isinstance(p, DTensor) else p.detach()
-                for n, p in model.named_parameters()
-            }
-            if sub is not None:
-                sub.sync()
-                assert sub.tensors is not None
-                out["exact"].append(
-                    all(
-                        torch.equal(sub.tensors[n].view(torch.int32), t.view(torch.int32))
-                        for n, t in truth.items()
-                    )
+    model.down = torch.nn.Parameter(
+        distribute_tensor(torch.randn(6, 13, generator=g), tp, [Shard(1)])
+    )
+    model.bias = torch.nn.Parameter(torch.randn(6, generator=g))
+    dparams = [model.up, model.down]
+    opts = [
+        torch.optim.AdamW(dparams, lr=1e-2, foreach=False),
+        torch.optim.AdamW([model.bias], lr=1e-2),
+    ]
+    w = ModuleWriter(cfg["store"], model, timeout_s=60)
+    w.resume()
+    sub = Subscriber(cfg["store"]) if rank == 0 else None
+    out: dict[str, Any] = {"rows": {}, "exact": []}
+    for step in range(STEPS):
+        if step:
+            gg = torch.Generator().manual_seed(step)  # the same gradients on both replicas
+            for p in dparams:
+                full = torch.randn(p.shape, generator=gg)
+                p.grad = distribute_tensor(full, tp, list(p.placements))
+            model.bias.grad = torch.randn(6, generator=gg)
+            for o in opts:
+                o.step()
+                o.zero_grad()
+        w.step()
+        truth = {
+            n: p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            for n, p in model.named_parameters()
+        }
+        if sub is not None:
+            sub.sync()
+            assert sub.tensors is not None
+            out["exact"].append(
+                all(
+                    torch.equal(sub.tensors[n].view(torch.int32), t.view(torch.int32))
+                    for n, t in truth.items()
                 )
-        out["rows"] = {n: [s.row_start, int(s.tensor.shape[0])] for n, s in w.slices().items()}
-        out["fsdp_tp"] = _fsdp_tp(cfg, mesh, rank)
-        Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(out))
-    finally:
-        dist.destroy_process_group()
+            )
+    out["rows"] = {n: [s.row_start, int(s.tensor.shape[0])] for n, s in w.slices().items()}
+    out["fsdp_tp"] = _fsdp_tp(cfg, mesh, rank)
+    return out
 
 
 def _fsdp_tp(cfg: dict[str, Any], mesh: Any, rank: int) -> list[bool]:
@@ -134,10 +122,7 @@ def _fsdp_tp(cfg: dict[str, Any], mesh: Any, rank: int) -> list[bool]:
 
 
 def test_one_copy_of_each_data_parallel_replica_is_written(tmp_path: Path) -> None:
-    cfg = {"init": str(tmp_path / "init"), "store": str(tmp_path / "store"), "out": str(tmp_path)}
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(cfg,), nprocs=WORLD, join=True)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    ranks = H.spawn(_worker, WORLD, {"dir": str(tmp_path), "store": str(tmp_path / "store")})
     assert ranks[0]["exact"] == [True] * STEPS
     # replica dp=0 (ranks 0, 1) writes, replica dp=1 (ranks 2, 3) nothing
     assert ranks[0]["rows"] == {"up": [0, 7], "down": [0, 3], "bias": [0, 6]}
