@@ -366,6 +366,15 @@ class FrameDecoder:
             raise FrameError("xor-sparse frame holds a zero mask (an element that did not change)")
         return positions, masks
 
+    def sparse2_content(
+        self, data: bytes, n: int, size: int, changed: int
+    ) -> tuple[bytes, int, int, int]:
+        """An ``xor-sparse2`` frame's decompressed content and its header's ``(k, e, L)``,
+        after every check of :meth:`changes` that needs no decoding (content size against the
+        frame's bounds, header, ``k == changed``): what a native decoder reads
+        (:mod:`deltastore.kernels.apply`)."""
+        return self._v2.sparse2_content(data, n, size, changed)
+
     def into(self, data: bytes, out: np.ndarray) -> None:
         """Decode a ``raw``/``xor-dense`` frame into ``out`` (contiguous, exactly its size)."""
         view = out.reshape(-1).view(np.uint8).data

@@ -448,6 +448,23 @@ class FrameDecoder2:
         self, data: bytes, n: int, size: int, changed: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """Decode ``xor-sparse2``: (frame-local int64 positions, unsigned XOR masks)."""
+        raw, k, e, low_bits = self.sparse2_content(data, n, size, changed)
+        if k == 0:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=word_dtype(size))
+        positions, offset = decode_positions(raw, n, k, e, low_bits, XOR_SPARSE2)
+        masks = from_byte_planes(raw, offset, k, size)
+        if not masks.all():
+            raise FrameError("xor-sparse2 frame holds a zero mask (an element that did not change)")
+        return positions, masks
+
+    def sparse2_content(
+        self, data: bytes, n: int, size: int, changed: int
+    ) -> tuple[bytes, int, int, int]:
+        """The decompressed content of an ``xor-sparse2`` frame and its header's ``(k, e, L)``,
+        checked as far as it goes without decoding: ``n`` and ``changed`` in range, the
+        declared content size possible for them (before anything is decompressed), the
+        header, ``k == changed`` and the content's exact length; :class:`FrameError`
+        otherwise. The positions and masks are still to be checked by whoever decodes them."""
         if not 1 <= n <= MAX_SPARSE2_ELEMENTS or not 0 <= changed <= n:
             raise FrameError(
                 f"an xor-sparse2 frame covers 1 to 2^32 - 1 elements with at most as many "
@@ -467,13 +484,7 @@ class FrameDecoder2:
                 f"xor-sparse2 frame holds {k} changes in {len(raw)} bytes; "
                 f"its manifest entry declares {changed}"
             )
-        if k == 0:
-            return np.empty(0, dtype=np.int64), np.empty(0, dtype=word_dtype(size))
-        positions, offset = decode_positions(raw, n, k, e, low_bits, XOR_SPARSE2)
-        masks = from_byte_planes(raw, offset, k, size)
-        if not masks.all():
-            raise FrameError("xor-sparse2 frame holds a zero mask (an element that did not change)")
-        return positions, masks
+        return raw, k, e, low_bits
 
     def decompress_exact(self, data: bytes, content: int, codec: str) -> bytes:
         """The content of a frame whose declared ``content`` size was checked (by
