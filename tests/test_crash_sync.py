@@ -221,7 +221,7 @@ def install(point: str, n: int) -> None:
             write_all(writes)
 
         words.write_all = write_phase
-    elif point in ("write", "repair"):  # the n-th scatter writes half its words, then dies
+    elif point in ("write", "repair"):  # the n-th scatter (or XOR write) writes half, then dies
         scatter = words.scatter
 
         def scatter_half(local: Any, positions: Any, values: Any) -> None:
@@ -232,6 +232,16 @@ def install(point: str, n: int) -> None:
             scatter(local, positions, values)
 
         words.scatter = scatter_half
+        xor_at = words.xor_at
+
+        def xor_half(local: Any, positions: Any, masks: Any) -> None:
+            if hit():
+                half = max(1, positions.size // 2)
+                xor_at(local, positions[:half], masks[:half])
+                die()
+            xor_at(local, positions, masks)
+
+        words.xor_at = xor_half
     elif point == "record":  # written and flushed, the sidecar not yet replaced
         write_state = folders._write_state
 

@@ -120,8 +120,9 @@ class Update:
     or :func:`~deltastore.tensors.words.compact` gaps); ``old`` / ``new``: the unsigned words
     there now and after the write. ``dense``: ``positions`` is unused and ``old`` / ``new``
     cover the run of elements ``[start, start + len(new))`` (:func:`stage_dense`); ``xor``
-    (dense only, host tensors): ``old`` and ``new`` are both the run's XOR masks, written and
-    undone by XOR-ing them in place."""
+    (host tensors): ``old`` and ``new`` are both the XOR masks of the run (dense) or of the
+    positions (int32/int64; :func:`deltastore.sync.stage.stage_frame`'s native path), written
+    and undone by XOR-ing them in place."""
 
     local: str
     start: int

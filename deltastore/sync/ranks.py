@@ -78,6 +78,7 @@ from deltastore.sync.routing import (
     route_new_words,
     route_range,
 )
+from deltastore.sync.stage import frame_changes
 from deltastore.tensors import words
 from deltastore.tensors.dtypes import dtype_from_name, flat_words
 from deltastore.tensors.host import Tensors, TensorT
@@ -360,7 +361,7 @@ class LayoutSync:
             size, n = itemsize(entry.dtype), f.stop - f.start
             routed: list[list[Segment]] = [[] for _ in range(self.group.world)]
             value, changed, new_words = 1, 0, False
-            for ch in dec.changes(f.codec, data, n, size, f.changed):
+            for ch in frame_changes(dec, f.codec, data, n, size, f.changed):
                 if ch.positions is not None:  # many changes travel as a range of masks
                     changed += ch.positions.size  # entries (xor-patch: absolute ones too)
                     if not ch.xor:  # new words (xor-patch): runs as ranges, others sparse

@@ -8,19 +8,21 @@ layout path stages received segments instead (:mod:`deltastore.sync.ranks`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from deltastore.errors import FrameError, IntegrityError, ManifestError
 from deltastore.format.checksum import adler32
-from deltastore.format.codecs import FrameDecoder, stored_bound
-from deltastore.format.dtypes import itemsize
+from deltastore.format.codecs import Changes, FrameDecoder, stored_bound
+from deltastore.format.codecs.v2 import XOR_SPARSE2
+from deltastore.format.dtypes import itemsize, word_dtype
 from deltastore.format.manifest import Manifest
 from deltastore.sync.apply import Sums, Update, contribution, stage_at, stage_run
 from deltastore.sync.fetch import FrameTask
 from deltastore.tensors.host import Words
-from deltastore.tensors.words import narrow
+from deltastore.tensors.words import host_view, narrow
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,13 @@ def check_frames(m: Manifest, max_frame_bytes: int) -> None:
 
 
 def stage_frame(
-    local: Words, task: FrameTask, data: bytes, dec: FrameDecoder, delta: bool
+    local: Words,
+    task: FrameTask,
+    data: bytes,
+    dec: FrameDecoder,
+    delta: bool,
+    *,
+    native: bool = True,
 ) -> Staged:
     """Turn one fetched frame (``data``, its stored bytes) into its update of ``local`` (the
     tensor's flat words; reads only), checked against the frame's Adler-32: for sparse changes
@@ -70,10 +78,18 @@ def stage_frame(
     One pass per step over a sparse frame's changes: the decoder's int64 positions are moved to
     the tensor in place, the old words gathered with them, the new ones XORed into the decoded
     masks, the Adler-32 contribution computed at the tensor (the frame's follows from it), and
-    the positions kept :func:`~deltastore.tensors.words.narrow` for the write."""
+    the positions kept :func:`~deltastore.tensors.words.narrow` for the write.
+
+    ``native`` (default): an ``xor-sparse2`` frame into host words is decoded, gathered and
+    summed in one pass by :func:`deltastore.kernels.apply.stage_sparse2` (GIL released),
+    staged as its positions and masks only (an XOR write, :class:`Update` ``xor``); False:
+    the numpy path above, the reference the kernel is tested against."""
     name, entry, f = task.name, task.entry, task.frame
     size = itemsize(entry.dtype)
     n = f.stop - f.start
+    host = host_view(local) if native and f.codec == XOR_SPARSE2 else None
+    if host is not None:
+        return _stage_sparse2(host, task, data, dec)
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     frame_adler: int | None = 1  # None: from parent_adler32 and the sums (sparse changes)
     sparse = 0  # sparse parts: xor-patch has two (XOR, then absolute entries), each ascending
@@ -127,4 +143,51 @@ def stage_frame(
     return Staged(update, sums, frame_adler)
 
 
-__all__ = ["Staged", "check_frames", "stage_frame"]
+def frame_changes(
+    dec: FrameDecoder, codec: str, data: bytes, n: int, size: int, changed: int
+) -> Iterable[Changes]:
+    """What :meth:`FrameDecoder.changes` returns for a stored frame, the same arrays, with an
+    ``xor-sparse2`` frame decoded by the native kernel
+    (:func:`deltastore.kernels.apply.decode_sparse2`, GIL released): for receivers that
+    route changes before staging them (:mod:`deltastore.sync.ranks`)."""
+    if codec != XOR_SPARSE2:
+        return dec.changes(codec, data, n, size, changed)
+    from deltastore.kernels import apply as kernel  # numba: loaded on the first sparse frame
+
+    raw, k, e, low_bits = dec.sparse2_content(data, n, size, changed)
+    status, positions, masks = kernel.decode_sparse2(raw, k, e, low_bits, n, size)
+    if status != kernel.OK:
+        raise FrameError(f"{XOR_SPARSE2} {kernel.PROBLEMS[status]}")
+    return (Changes(masks, True, 0, positions),)
+
+
+def _stage_sparse2(host: np.ndarray, task: FrameTask, data: bytes, dec: FrameDecoder) -> Staged:
+    """:func:`stage_frame` of an ``xor-sparse2`` frame into host words, by the native kernel:
+    the update is the frame's tensor positions and XOR masks, written by an in-place XOR."""
+    from deltastore.kernels import apply as kernel  # numba: loaded on the first sparse frame
+
+    name, entry, f = task.name, task.entry, task.frame
+    size = itemsize(entry.dtype)
+    n = f.stop - f.start
+    raw, k, e, low_bits = dec.sparse2_content(data, n, size, f.changed)
+    words = host.view(word_dtype(size))
+    status, pos, masks, (da, db) = kernel.stage_sparse2(
+        raw, k, e, low_bits, n, words, f.start, entry.nbytes
+    )
+    del raw
+    if status != kernel.OK:
+        raise FrameError(f"{name}[{f.start}:{f.stop}]: {XOR_SPARSE2} {kernel.PROBLEMS[status]}")
+    if f.parent_adler32 is None:
+        raise ManifestError(f"{name}: {f.codec} frame without parent_adler32")
+    sums = Sums(da, db)
+    frame_adler = sums.within(n * size, f.start * size, entry.nbytes).applied_to(f.parent_adler32)
+    if frame_adler != f.adler32:
+        raise IntegrityError(
+            f"{name}[{f.start}:{f.stop}]: decoded frame has Adler-32 {frame_adler:08x}, "
+            f"the manifest says {f.adler32:08x}; the tensors are not at the frame's parent "
+            "or the frame is damaged"
+        )
+    return Staged(Update(name, 0, pos, masks, masks, xor=True), sums, frame_adler)
+
+
+__all__ = ["Staged", "check_frames", "frame_changes", "stage_frame"]

@@ -40,10 +40,11 @@ class Write:
     host tensor's); ``positions`` in it, ascending (int32/int64, or :func:`compact` gaps); the
     ``old`` and ``new`` unsigned words there (same length). ``dense``: ``positions`` is unused
     and ``old`` / ``new`` are the words of elements ``[0, len(new))`` of ``local`` (one range
-    write instead of a scatter). ``xor`` (dense, host words only): ``old`` and ``new`` are the
-    same XOR masks, and a put XORs them into ``local`` in place (numpy checks its operands
-    before it writes: the XOR raises with nothing written, or completes), so the restore is
-    the same XOR."""
+    write instead of a scatter). ``xor`` (host words only): ``old`` and ``new`` are the
+    same XOR masks, and a put XORs them into ``local`` in place, over the dense run (numpy
+    checks its operands before it writes: the XOR raises with nothing written, or completes)
+    or at ``positions`` (int32/int64; the native :func:`xor_at`, which cannot fail once
+    started), so the restore is the same XOR."""
 
     local: Words
     positions: np.ndarray
@@ -54,7 +55,9 @@ class Write:
 
     def put(self, values: np.ndarray) -> None:
         """Write ``values`` (``old`` or ``new``) where this write goes."""
-        if self.xor:
+        if self.xor and not self.dense:
+            xor_at(self.local, self.positions, values)
+        elif self.xor:
             xor_range(self.local, values)
         elif self.dense:
             scatter_range(self.local, 0, values)
@@ -151,6 +154,18 @@ def xor_range(local: Words, masks: np.ndarray) -> None:
         raise TypeError("an in-place XOR write needs host words")
     dest = host.view(masks.dtype)[: masks.size]
     np.bitwise_xor(dest, masks, out=dest)
+
+
+def xor_at(local: Words, positions: np.ndarray, masks: np.ndarray) -> None:
+    """XOR ``masks`` (unsigned words) into host words ``local`` at ``positions`` (int32 or
+    int64, ascending, each in range), in place, by the native kernel
+    (:func:`deltastore.kernels.apply.xor_at`: the GIL is released); the same call undoes it."""
+    host = host_view(local)
+    if host is None:
+        raise TypeError("an in-place XOR write needs host words")
+    from deltastore.kernels.apply import xor_at as kernel  # numba: loaded on first use
+
+    kernel(host, positions, masks)
 
 
 def narrow(positions: np.ndarray, numel: int) -> np.ndarray:

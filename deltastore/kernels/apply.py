@@ -1,0 +1,216 @@
+"""The receiver's hot loop, native: decode an ``xor-sparse2`` frame and apply it, in one pass.
+
+An ``xor-sparse2`` frame's content (spec section 8.2.4; the checks that need no decoding are
+done first by :meth:`deltastore.format.codecs.FrameDecoder.sparse2_content`) holds ``k``
+changes as a token byte, ``ceil(L / 8)`` low-bit bytes and, for a token of 255, a 32-bit escape
+per gap, then each XOR mask as ``s`` byte planes. :func:`stage_sparse2` walks them once, change
+by change, straight from the zstd output: it rebuilds the gap and the position, checks both
+against the frame, reads the mask, gathers the old word at the position in the tensor, and
+accumulates the Adler-32 delta of ``old -> old ^ mask`` at the tensor's byte offsets. It keeps
+what the write needs and nothing else (verify-before-write): the tensor-relative positions
+(int32 where the tensor has fewer than 2^31 elements, else int64) and the masks, 4 + ``s``
+bytes per change (the numpy path kept 8-byte positions, the old and the new words during the
+decode, and several int64 temporaries). The write (:func:`xor_at`) XORs the masks in place; a
+second :func:`xor_at` with the same arguments is its exact undo. No intermediate int64 arrays.
+
+:func:`decode_sparse2` decodes the same content into frame-relative int64 positions and masks
+(for receivers that route changes before staging them: the layout path, the engines).
+
+The numpy code these replace stays the specification and the reference the tests compare the
+kernels against bit for bit: :func:`deltastore.format.codecs.v2.decode_positions` and
+:func:`deltastore.format.checksum.delta_sums`.
+
+Words are unsigned little-endian integers of 1, 2, 4 or 8 bytes (one compiled specialization
+per word size and position width, cached on disk next to this module). Every kernel releases
+the GIL; calls on distinct output buffers may run on any threads at once, and
+:func:`stage_sparse2` only reads the tensor. Adler-32 arithmetic is exact: per change the
+word's byte differences ``d_j`` (in -255..255) are summed into ``sum d`` and ``sum j d_j``, and
+``(position mod 65521) * sum d`` into a third sum; none can overflow int64 for a frame of at
+most 2^32 changes, and :func:`stage_sparse2` reduces them to ``(dA, dB)`` mod 65521 as
+:func:`~deltastore.format.checksum.delta_sums` defines them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import numba  # type: ignore[import-untyped, unused-ignore]
+import numpy as np
+
+#: Bytes of the ``xor-sparse2`` header (``<u32 k><u32 e><u8 L><3 zero bytes>``).
+HEADER: Final = 12
+#: The token that says "the high part continues in the escape section".
+ESCAPE: Final = 255
+#: Adler-32's modulus.
+MOD: Final = 65521
+#: Status codes of the kernels (0: the frame decoded and staged).
+OK, LOW_TOO_WIDE, ESCAPES_DISAGREE, PAST_END, ZERO_MASK = 0, 1, 2, 3, 4
+#: What each non-zero status says about the frame (completed by the codec's name).
+PROBLEMS: Final = {
+    LOW_TOO_WIDE: "low part does not fit its L bits",
+    ESCAPES_DISAGREE: "escape tokens disagree with the header's escape count",
+    PAST_END: "gap points past the end of the frame",
+    ZERO_MASK: "frame holds a zero mask (an element that did not change)",
+}
+_INT32_MAX: Final = (1 << 31) - 1
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _plane_word(raw: Any, at: int, count: int, index: int, size: int) -> Any:
+    """Word ``index`` of ``size`` byte planes of ``count`` bytes from ``raw[at]``."""
+    value = np.uint64(0)
+    for j in range(size):
+        value |= np.uint64(raw[at + j * count + index]) << np.uint64(8 * j)
+    return value
+
+
+@numba.njit(nogil=True, cache=True)
+def _walk(
+    raw: Any,
+    k: int,
+    e: int,
+    low_bits: int,
+    n: int,
+    size: int,
+    words: Any,
+    start: int,
+    pos_out: Any,
+    mask_out: Any,
+    stage: bool,
+) -> tuple[int, int, int, int]:
+    """Decode the ``k`` changes of a checked content ``raw`` (uint8) of a frame of ``n``
+    elements of ``size`` bytes. ``stage``: positions go to ``pos_out`` as ``start + position``
+    and, with the old words of ``words`` (the tensor's), the Adler-32 sums are accumulated;
+    else frame-relative positions, no tensor read. Returns ``(status, sum d, sum j d_j,
+    sum (position mod 65521) * d)`` (sums over every changed byte; zero unless staged)."""
+    width = (low_bits + 7) // 8
+    at_low = HEADER + k
+    at_esc = at_low + width * k
+    at_mask = at_esc + 4 * e
+    top = np.uint64((n - 1) >> low_bits)  # the largest high part of a gap inside the frame
+    low_cap = np.uint64(1) << np.uint64(low_bits)
+    shift = np.uint64(low_bits)
+    esc = 0
+    prev = -1
+    total = 0
+    jsum = 0
+    psum = 0
+    for i in range(k):
+        high = np.uint64(raw[HEADER + i])
+        if high == ESCAPE:
+            if esc >= e:
+                return ESCAPES_DISAGREE, 0, 0, 0
+            high += _plane_word(raw, at_esc, e, esc, 4)
+            esc += 1
+        if high > top:
+            return PAST_END, 0, 0, 0
+        gap = high << shift
+        if width:
+            low = _plane_word(raw, at_low, k, i, width)
+            if low >= low_cap:
+                return LOW_TOO_WIDE, 0, 0, 0
+            gap |= low
+        pos = prev + 1 + np.int64(gap)
+        if pos >= n:
+            return PAST_END, 0, 0, 0
+        prev = pos
+        mask = _plane_word(raw, at_mask, k, i, size)
+        if mask == 0:
+            return ZERO_MASK, 0, 0, 0
+        mask_out[i] = mask
+        if not stage:
+            pos_out[i] = pos
+            continue
+        q = start + pos
+        pos_out[i] = q
+        old = np.uint64(words[q])
+        new = old ^ mask
+        d = 0
+        for j in range(size):
+            s = np.uint64(8 * j)
+            dj = np.int64((new >> s) & np.uint64(255)) - np.int64((old >> s) & np.uint64(255))
+            d += dj
+            jsum += j * dj
+        total += d
+        psum += (q % MOD) * d
+    if esc != e:
+        return ESCAPES_DISAGREE, 0, 0, 0
+    return OK, total, jsum, psum
+
+
+@numba.njit(nogil=True, cache=True)
+def _xor_at(words: Any, positions: Any, masks: Any) -> None:
+    """``words[positions[i]] ^= masks[i]`` for every ``i``, in order."""
+    for i in range(positions.size):
+        words[positions[i]] ^= masks[i]
+
+
+def _words(local: np.ndarray, size: int) -> np.ndarray:
+    """``local`` (1-D, contiguous) as unsigned words of ``size`` bytes."""
+    return local.view(np.dtype(f"<u{size}"))
+
+
+def stage_sparse2(
+    raw: bytes,
+    k: int,
+    e: int,
+    low_bits: int,
+    n: int,
+    local: np.ndarray,
+    start: int,
+    nbytes: int,
+) -> tuple[int, np.ndarray, np.ndarray, tuple[int, int]]:
+    """Decode the checked content ``raw`` of an ``xor-sparse2`` frame (header ``(k, e,
+    low_bits)``, ``n`` elements) whose first element is element ``start`` of ``local`` (the
+    tensor's 1-D contiguous host words, unsigned of the frame's word size, read only), and
+    stage it: ``(status, positions, masks, (dA, dB))``. ``positions`` are tensor-relative,
+    ascending (int32 when ``local`` has at most 2^31 - 1 elements, else int64), ``masks``
+    the XOR masks (``local``'s dtype), ``(dA, dB)`` the Adler-32 contribution (mod 65521) of
+    the changes to the ``nbytes``-byte tensor. ``status`` is :data:`OK` or the problem
+    (:data:`PROBLEMS`; the arrays are then not to be used). Releases the GIL."""
+    size = local.dtype.itemsize
+    src = np.frombuffer(raw, dtype=np.uint8)
+    pos = np.empty(k, dtype=np.int32 if local.size <= _INT32_MAX else np.int64)
+    masks = np.empty(k, dtype=local.dtype)
+    status, total, jsum, psum = _walk(src, k, e, low_bits, n, size, local, start, pos, masks, True)
+    if status != OK:
+        return status, pos, masks, (0, 0)
+    da = total % MOD
+    db = ((nbytes % MOD) * total - size * psum - jsum) % MOD
+    return OK, pos, masks, (da, db)
+
+
+def decode_sparse2(
+    raw: bytes, k: int, e: int, low_bits: int, n: int, size: int
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """Decode the checked content ``raw`` of an ``xor-sparse2`` frame into ``(status,
+    positions, masks)``: frame-relative int64 positions, ascending, and the XOR masks
+    (unsigned words of ``size`` bytes), as
+    :meth:`deltastore.format.codecs.v2.FrameDecoder2.sparse2` returns them. Releases the
+    GIL."""
+    src = np.frombuffer(raw, dtype=np.uint8)
+    pos = np.empty(k, dtype=np.int64)
+    masks = np.empty(k, dtype=np.dtype(f"<u{size}"))
+    dummy = np.empty(0, dtype=masks.dtype)
+    status = _walk(src, k, e, low_bits, n, size, dummy, 0, pos, masks, False)[0]
+    return status, pos, masks
+
+
+def xor_at(local: np.ndarray, positions: np.ndarray, masks: np.ndarray) -> None:
+    """XOR ``masks`` into ``local`` (1-D contiguous host words) at ``positions`` (int32 or
+    int64, each in range: not checked), in place; the same call again undoes it. Releases the
+    GIL; not thread-safe for overlapping positions."""
+    _xor_at(_words(local, masks.dtype.itemsize), positions, masks)
+
+
+__all__ = [
+    "ESCAPES_DISAGREE",
+    "LOW_TOO_WIDE",
+    "OK",
+    "PAST_END",
+    "PROBLEMS",
+    "ZERO_MASK",
+    "decode_sparse2",
+    "stage_sparse2",
+    "xor_at",
+]

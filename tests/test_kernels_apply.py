@@ -1,0 +1,191 @@
+"""The receiver's native kernel (deltastore.kernels.apply) against the numpy reference path.
+
+``stage_frame(native=True)`` (the default: one native pass that decodes, gathers and sums) and
+``stage_frame(native=False)`` (the numpy reference) must stage the same frame to the same
+Adler-32 sums and frame checksum, and their writes must leave bit-identical tensors; damaged
+content must fail both with a FrameError. Hypothesis draws the changes: word sizes of 1, 2, 4
+and 8 bytes, frames at an offset inside their tensor, empty frames, changes at the first and the
+last element, dense and escaped (long-gap) frames.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deltastore.errors import FrameError
+from deltastore.format.checksum import adler32, delta_sums
+from deltastore.format.codecs import FrameDecoder
+from deltastore.format.codecs.v2 import XOR_SPARSE2, FrameEncoder2, decode_positions
+from deltastore.format.manifest import Frame, TensorEntry
+from deltastore.kernels import apply as kernel
+from deltastore.sync.fetch import FrameTask
+from deltastore.sync.stage import frame_changes, stage_frame
+from deltastore.tensors import words
+
+DTYPES = {1: "uint8", 2: "bfloat16", 4: "float32", 8: "float64"}
+
+
+@st.composite
+def frames(draw: st.DrawFn) -> tuple[int, int, int, np.ndarray, np.ndarray, np.ndarray]:
+    """(size, start, n, tensor words, frame-local positions, masks)."""
+    size = draw(st.sampled_from([1, 2, 4, 8]))
+    n = draw(st.integers(1, 5000))
+    start = draw(st.integers(0, 300))
+    after = draw(st.integers(0, 50))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    shape = draw(st.sampled_from(["random", "dense", "ends", "sparse", "empty"]))
+    if shape == "empty":
+        pos = np.empty(0, dtype=np.int64)
+    elif shape == "dense":
+        pos = np.flatnonzero(rng.random(n) < 0.9)
+    elif shape == "ends":  # the first and the last element, and a few in between
+        pos = np.unique(np.r_[0, n - 1, rng.integers(0, n, size=min(n, 3))])
+    elif shape == "sparse":  # long gaps: escapes at small L
+        pos = np.unique(rng.integers(0, n, size=max(1, n // 1000)))
+    else:
+        pos = np.unique(rng.integers(0, n, size=draw(st.integers(1, n))))
+    wdt = np.dtype(f"<u{size}")
+    top = (1 << (8 * size)) - 1
+    masks = rng.integers(1, top, size=pos.size, dtype=wdt, endpoint=True)
+    local = rng.integers(0, top, size=start + n + after, dtype=wdt, endpoint=True)
+    return size, start, n, local, pos.astype(np.int64), masks
+
+
+def _task(
+    size: int, start: int, n: int, local: np.ndarray, pos: np.ndarray, data: bytes
+) -> FrameTask:
+    """A FrameTask for the frame (its parent checksum from ``local``; its own checksum is set
+    by :func:`_with_adler`)."""
+    seg = local[start : start + n]
+    frame = Frame(
+        start=start,
+        stop=start + n,
+        codec=XOR_SPARSE2,
+        object="versions/1/data",
+        offset=0,
+        length=len(data),
+        xxh3="0" * 16,
+        changed=int(pos.size),
+        adler32=1,
+        parent_adler32=adler32(seg),
+    )
+    entry = TensorEntry(
+        dtype=DTYPES[size],
+        shape=[local.size],
+        adler32=1,
+        parent_adler32=None,
+        changed=int(pos.size),
+        frames=[frame],
+    )
+    return FrameTask("t", entry, frame)
+
+
+def _with_adler(task: FrameTask, value: int) -> FrameTask:
+    frame = task.frame.model_copy(update={"adler32": value})
+    return FrameTask(task.name, task.entry.model_copy(update={"frames": [frame]}), frame)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(frames(), st.booleans())
+def test_native_stage_matches_reference(
+    case: tuple[int, int, int, np.ndarray, np.ndarray, np.ndarray], low_zero: bool
+) -> None:
+    size, start, n, local, pos, masks = case
+    data = FrameEncoder2().xor_sparse2(pos, masks, low_bits=0 if low_zero else None)
+    expect = local[start : start + n].copy()
+    expect[pos] ^= masks
+    task = _with_adler(_task(size, start, n, local, pos, data), adler32(expect))
+    dec = FrameDecoder()
+    ref = stage_frame(local.copy(), task, data, dec, True, native=False)
+    before = local.copy()
+    got = stage_frame(local, task, data, dec, True)
+    assert np.array_equal(local, before)  # staging only reads
+    assert got.sums == ref.sums and got.frame_adler == ref.frame_adler == task.frame.adler32
+    upd = got.update
+    assert upd.xor and not upd.dense and upd.positions.dtype == np.int32
+    assert np.array_equal(upd.positions, pos + start) and np.array_equal(upd.old, masks)
+    # the write, and its undo, bit for bit
+    write = words.Write(local, upd.positions, upd.old, upd.new, upd.dense, upd.xor)
+    words.write_all([write])
+    assert np.array_equal(local[start : start + n], expect)
+    assert np.array_equal(local[:start], before[:start])
+    assert np.array_equal(local[start + n :], before[start + n :])
+    words.restore_all([write])
+    assert np.array_equal(local, before)
+    # the routed receivers' decode: the reference's positions and masks
+    (ch,) = list(frame_changes(dec, XOR_SPARSE2, data, n, size, int(pos.size)))
+    assert ch.positions is not None and ch.positions.dtype == np.int64
+    assert np.array_equal(ch.positions, pos) and np.array_equal(ch.words, masks)
+    assert ch.words.dtype == masks.dtype
+
+
+@settings(max_examples=60, deadline=None)
+@given(frames())
+def test_sums_match_delta_sums(
+    case: tuple[int, int, int, np.ndarray, np.ndarray, np.ndarray],
+) -> None:
+    """The kernel's Adler-32 contribution is delta_sums' at the tensor's byte offsets, also for
+    a tensor declared larger than the words the frame lands in."""
+    size, start, n, local, pos, masks = case
+    data = FrameEncoder2().xor_sparse2(pos, masks)
+    raw, k, e, low = FrameDecoder().sparse2_content(data, n, size, int(pos.size))
+    nbytes = local.nbytes + 12345 * size
+    status, got_pos, got_masks, sums = kernel.stage_sparse2(raw, k, e, low, n, local, start, nbytes)
+    assert status == kernel.OK
+    at = pos + start
+    old = local[at]
+    assert sums == delta_sums(at, old, old ^ masks, nbytes)
+    assert np.array_equal(got_pos, at) and np.array_equal(got_masks, masks)
+
+
+def _content(k: int, e: int, low: int, body: bytes) -> bytes:
+    return struct.pack("<IIB3s", k, e, low, b"\0\0\0") + body
+
+
+@pytest.mark.parametrize(
+    ("raw", "n", "problem"),
+    [
+        # k=2, L=0: tokens 3, 1 -> positions 3, 5; n=5 puts the second past the end
+        (_content(2, 0, 0, bytes([3, 1, 7, 9])), 5, kernel.PAST_END),
+        # a zero mask
+        (_content(2, 0, 0, bytes([3, 1, 7, 0])), 10, kernel.ZERO_MASK),
+        # L=2: a low part of 4 does not fit 2 bits
+        (_content(1, 0, 2, bytes([0, 4, 9])), 100, kernel.LOW_TOO_WIDE),
+        # an escape token and no escapes
+        (_content(1, 0, 0, bytes([255, 9])), 1000, kernel.ESCAPES_DISAGREE),
+        # one escape declared, none used
+        (_content(1, 1, 0, bytes([1, 0, 0, 0, 0, 9])), 1000, kernel.ESCAPES_DISAGREE),
+        # an escape whose high part lands past the end
+        (_content(1, 1, 0, bytes([255, 250, 0, 0, 0, 9])), 400, kernel.PAST_END),
+    ],
+)
+def test_damaged_content(raw: bytes, n: int, problem: int) -> None:
+    """Each damage is caught, named, and the reference decoder rejects the same content."""
+    k, e, low = struct.unpack_from("<IIB", raw)
+    local = np.zeros(n, dtype=np.uint8)
+    assert kernel.stage_sparse2(raw, k, e, low, n, local, 0, n)[0] == problem
+    assert kernel.decode_sparse2(raw, k, e, low, n, 1)[0] == problem
+    if problem != kernel.ZERO_MASK:  # the reference checks masks elsewhere
+        with pytest.raises(FrameError):
+            decode_positions(raw, n, k, e, low, XOR_SPARSE2)
+
+
+def test_damaged_frame_stages_nothing() -> None:
+    """A frame whose decoded changes do not give the manifest's checksum fails with nothing
+    written (staging only reads)."""
+    rng = np.random.default_rng(3)
+    local = rng.integers(0, 2**16, size=4096, dtype=np.uint16)
+    pos = np.array([0, 17, 4095])
+    masks = np.array([1, 2, 3], dtype=np.uint16)
+    data = FrameEncoder2().xor_sparse2(pos, masks)
+    task = _with_adler(_task(2, 0, 4096, local, pos, data), 12345)
+    before = local.copy()
+    with pytest.raises(Exception, match="Adler-32"):
+        stage_frame(local, task, data, FrameDecoder(), True)
+    assert np.array_equal(local, before)
