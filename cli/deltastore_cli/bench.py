@@ -1,7 +1,8 @@
 """``deltastore bench``: deltastore against dense, COO and xor-dense baselines; with
 ``--mode trainer``, real AdamW steps each followed by a publish, snapshot-free beside the
 memory snapshot; with ``--mode sharded``, the memory of a sharded publish per rank and
-density of changes."""
+density of changes; with ``--mode crossover``, the density of changes below which deltastore's
+sync beats the strongest dense load, per store."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from deltastore_cli.common import (
 from deltastore_cli.options import SizeName, StorageOpt
 
 if TYPE_CHECKING:
+    from deltastore.bench.crossover import CrossoverOptions
+    from deltastore.bench.crossover_schema import CrossoverResult
     from deltastore.bench.schema import BenchResult
     from deltastore.bench.sharded_schema import ShardedResult
     from deltastore.bench.trainer import TrainerOptions
@@ -36,7 +39,7 @@ BenchSizeOpt = Annotated[
         case_sensitive=False,
         help="Synthetic model size.",
         show_default="large; --mode trainer: the largest whose trainer fits in memory; "
-        "--mode sharded: a 2.56M-element model (fsdp-2.5m)",
+        "--mode sharded: a 2.56M-element model (fsdp-2.5m); --mode crossover: medium",
     ),
 ]
 
@@ -45,14 +48,16 @@ def bench(
     ctx: typer.Context,
     size: BenchSizeOpt = None,
     mode: Annotated[
-        Literal["transfer", "trainer", "sharded"],
+        Literal["transfer", "trainer", "sharded", "crossover"],
         typer.Option(
             help="transfer: every system through every store; trainer: real AdamW steps on "
             "fp32 masters, each followed by a publish, the snapshot-free publisher beside the "
             "memory snapshot, each in a process of its own (local stores; publish time vs "
             "optimizer.step(), extra RSS, payload); sharded: two ShardWriters, a process "
             "each, publish bf16 row shards at each --densities (local store; peak memory over "
-            "the snapshot per rank, by RSS and tracemalloc, vs the shard's bf16 bytes).",
+            "the snapshot per rank, by RSS and tracemalloc, vs the shard's bf16 bytes); "
+            "crossover: one density of changes per --lrs, deltastore's sync vs the strongest "
+            "dense load through each --store, and the density where they cross.",
         ),
     ] = "transfer",
     densities: Annotated[
@@ -61,6 +66,14 @@ def bench(
             help="--mode sharded: comma-separated shares of the elements changed per version."
         ),
     ] = "0.01,0.03,0.65",
+    lrs: Annotated[
+        str | None,
+        typer.Option(
+            help="--mode crossover: comma-separated AdamW learning rates, one density point "
+            "each (--versions versions per point).",
+            show_default="5e-8,1.5e-7,4e-7,1e-6,2.5e-6,6e-6,1.5e-5,5e-5: ~0.05% to ~19% changed",
+        ),
+    ] = None,
     optimizer: Annotated[
         Literal["foreach", "fused", "single-tensor"],
         typer.Option(help="--mode trainer: the torch.optim.AdamW implementation."),
@@ -143,6 +156,23 @@ def bench(
         raise typer.BadParameter(f"choose one of {', '.join(LINKS)}", param_hint="--link")
     if link is not None and "moto" not in stores:
         raise typer.BadParameter("the shaped link is in front of moto: add it to --store")
+    if mode == "crossover":
+        from deltastore.bench.crossover import CrossoverOptions
+
+        crossover = CrossoverOptions(
+            size=size or "medium",
+            stores=stores,
+            versions=versions,
+            seed=seed,
+            workdir=workdir,
+            storage_options=parse_storage_options(storage_option),
+            link=link,
+            log=log,
+        )
+        if lrs is not None:
+            crossover.lrs = _numbers(lrs, "--lrs")
+        _crossover(crossover, json_path, markdown_path)
+        return
     if plot_path is not None:
         try:
             check_plot()  # before the run, not after it
@@ -195,13 +225,8 @@ def _sharded(
     JSON and markdown, print the report."""
     from deltastore.bench.sharded import ShardedOptions, run_sharded, sharded_markdown
 
-    try:
-        shares = [float(d) for d in densities.split(",") if d.strip()]
-    except ValueError:
-        raise typer.BadParameter(
-            f"not a list of numbers: {densities!r}", param_hint="--densities"
-        ) from None
-    if not shares or not all(0 < d <= 1 for d in shares):
+    shares = _numbers(densities, "--densities")
+    if not all(0 < d <= 1 for d in shares):
         raise typer.BadParameter("each density must be in (0, 1]", param_hint="--densities")
     result = run_sharded(
         ShardedOptions(
@@ -216,8 +241,29 @@ def _sharded(
     _finish(result, sharded_markdown(result), json_path, markdown_path)
 
 
+def _numbers(text: str, hint: str) -> list[float]:
+    """A comma-separated option's numbers, at least one, each above 0."""
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"not a list of numbers: {text!r}", param_hint=hint) from None
+    if not out or not all(x > 0 for x in out):
+        raise typer.BadParameter("give numbers above 0", param_hint=hint)
+    return out
+
+
+def _crossover(
+    options: CrossoverOptions, json_path: Path | None, markdown_path: Path | None
+) -> None:
+    """``--mode crossover``: run, write the JSON and markdown, print the report."""
+    from deltastore.bench.crossover import crossover_markdown, run_crossover
+
+    result = run_crossover(options)
+    _finish(result, crossover_markdown(result), json_path, markdown_path)
+
+
 def _finish(
-    result: BenchResult | TrainerResult | ShardedResult,
+    result: BenchResult | TrainerResult | ShardedResult | CrossoverResult,
     report: str,
     json_path: Path | None,
     markdown_path: Path | None,
