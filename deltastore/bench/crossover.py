@@ -489,6 +489,10 @@ def crossover_markdown(result: CrossoverResult) -> str:
                 f"| {p.payload_median_bytes / 1e6:.2f} | {p.dense_median_s:.3f} | {p.ratio:.2f} |"
             )
         lines.append("")
-    lines += [f"- {c.name} [{c.store}]: {c.measured} ({c.status})" for c in result.checks]
+    lines += [
+        f"- {c.name} [{c.store}]: "
+        + (f"{100 * c.measured:.3f}% changed" if c.measured is not None else c.status)
+        for c in result.checks
+    ]
     lines += [f"- skipped: {s}" for s in result.skipped]
     return "\n".join(lines) + "\n"
