@@ -38,7 +38,7 @@ import numba  # type: ignore[import-untyped, unused-ignore]
 import numpy as np
 from llvmlite import ir  # type: ignore[import-untyped, unused-ignore]
 from numba import types
-from numba.core import cgutils  # type: ignore[import-untyped, unused-ignore]
+from numba.core import cgutils as _cgutils  # type: ignore[import-untyped, unused-ignore]
 from numba.extending import intrinsic  # type: ignore[import-untyped, unused-ignore]
 
 #: Bytes of the ``xor-sparse2`` header (``<u32 k><u32 e><u8 L><3 zero bytes>``).
@@ -56,6 +56,7 @@ PROBLEMS: Final = {
     PAST_END: "gap points past the end of the frame",
     ZERO_MASK: "frame holds a zero mask (an element that did not change)",
 }
+cgutils: Any = _cgutils  # numba's code-generation helpers (untyped)
 _INT32_MAX: Final = (1 << 31) - 1
 #: Changes decoded before their old words are gathered and summed (:func:`_sums`).
 BLOCK: Final = 512
@@ -63,8 +64,7 @@ BLOCK: Final = 512
 AHEAD: Final = 32
 
 
-@intrinsic  # type: ignore[misc, unused-ignore]
-def _prefetch(typingctx: Any, array: Any, index: Any) -> Any:
+def _prefetch_typer(typingctx: Any, array: Any, index: Any) -> Any:
     """Ask the CPU to bring ``array[index]``'s cache line in for a write (LLVM's
     ``llvm.prefetch``, high locality; a hint: no fault, no effect on results)."""
 
@@ -81,6 +81,9 @@ def _prefetch(typingctx: Any, array: Any, index: Any) -> Any:
         return context.get_dummy_value()
 
     return types.void(array, index), codegen
+
+
+_prefetch: Any = intrinsic(_prefetch_typer)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
