@@ -136,6 +136,8 @@ class RssMeter:
     ``extra_bytes`` = peak - ``baseline`` (default: the RSS on entry; 0 if it never grew).
     A fixed baseline taken once after setup counts memory kept from one block to the next
     (freed heap that the allocator keeps and reuses would hide a later block's use).
+    ``cpu_s``: CPU seconds of the sampling thread itself (known after the block), which a
+    caller that measures the process's CPU over the block subtracts.
     """
 
     def __init__(self, interval_s: float = 0.001, baseline: int | None = None) -> None:
@@ -144,6 +146,7 @@ class RssMeter:
         self.before = 0
         self.peak = 0
         self.samples = 0
+        self.cpu_s = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._hwm = False
@@ -153,6 +156,7 @@ class RssMeter:
             self.peak = max(self.peak, rss_bytes())
             self.samples += 1
             self._stop.wait(self.interval_s)
+        self.cpu_s = time.thread_time()  # this thread's CPU since it started
 
     def __enter__(self) -> RssMeter:
         self._hwm = _reset_peak()

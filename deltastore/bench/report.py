@@ -1,6 +1,7 @@
 """Rendering a :class:`~deltastore.bench.schema.BenchResult`: a markdown report with the
 strongest baselines, the floors and the bar checks; ``docs/performance.md`` generated from a
-results JSON (:func:`performance_doc`); an optional PNG (matplotlib, the ``plot`` extra).
+results JSON (:func:`performance_doc`); an optional PNG (:mod:`deltastore.bench.plot`, here
+as :func:`plot`).
 
 Command line::
 
@@ -13,17 +14,24 @@ Pure functions of the result (thread-safe), except :func:`plot` (matplotlib's gl
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from pydantic import ValidationError
 
-from deltastore.bench.analysis import holds
+from deltastore.bench.fmt import measured as _measured
+from deltastore.bench.fmt import nbytes as _bytes
+from deltastore.bench.fmt import pct as _pct
+from deltastore.bench.fmt import secs as _s
+from deltastore.bench.fmt import table as _table
+from deltastore.bench.fmt import times as _x
+from deltastore.bench.limits import LIMITS_AND_PITFALLS
+from deltastore.bench.plot import PlotUnavailable as PlotUnavailable
+from deltastore.bench.plot import check_plot as check_plot
+from deltastore.bench.plot import plot as plot
 from deltastore.bench.schema import BASELINES, SCHEMA_VERSION, BenchResult, StoreResult
 from deltastore.bench.trainer_report import (
     is_trainer_json,
@@ -33,128 +41,6 @@ from deltastore.bench.trainer_report import (
     trainer_summary,
 )
 from deltastore.bench.trainer_schema import TrainerResult
-
-#: The last section of docs/performance.md: measured facts the code's choices rest on (the
-#: code cites this section); static text, not from the results JSON.
-LIMITS_AND_PITFALLS = """
-What the code's hot paths are built around, measured on the 2-core development machines (numpy,
-torch CPU). The code cites this section where a choice follows from one of these numbers.
-
-Limits of the machine, for reading the results above:
-
-| operation | measured |
-|---|---|
-| read (page cache) | ~32 GB/s |
-| copy into a preallocated buffer | 13-17 GB/s |
-| a fresh 2 GB allocation (page faults) | 0.4-2 GB/s |
-| chunked `np.not_equal` + `flatnonzero` (exact change detection) | ~4.7 GB/s of model |
-| zstd level 1 on a dense XOR buffer | ~2 GB/s |
-| `xxh3_64` | 2 GB in ~0.07 s |
-| AdamW step, 2 threads, 32 tensors of 1 Mi fp32 elements | foreach 4.3-5.7 ns/element, fused 0.57 |
-| the same, foreach, on the 246M-parameter medium trainer | 0.82 s (3.3 ns per element) |
-| float64 `sqrt` + three divisions per element (numba, AVX2, one core) | ~1.8 ns per element |
-| fp32 to bf16 on one thread: numpy `bf16_words` / torch `.to` | 1.15 / 0.18 ns per element |
-
-The strongest dense load and the receiver floors are measured in every run (the tables above);
-the bar was set from 0.24-0.33 s for loading a 2 GB safetensors file from the page cache into
-existing tensors (a naive whole-object read, parse and copy: 3.5 s) and ~0.15 s on one core
-for the receiver floor of 8M changes.
-
-Payload floor: at density `p` with +-1 ulp changes, a position carries about
-`log2(1/p) + 1.44` bits and the change about 1 bit, ~1.2 bytes per change at `p` = 0.8%. Real
-fine-tuned weights change 0.5-1% of their bf16 elements per step at lr 1e-6, sparser as
-training goes on.
-
-Pitfalls, and what the code does instead:
-
-- `np.flatnonzero` on an int16 array is several times slower than on a bool array (7x on the
-  development machines, 2.7x on 33M words in December 2026): compare into a reused bool buffer
-  (`np.not_equal(a, b, out=buf)`), then `flatnonzero` (`publish/encode.py`, `bench/ops.py`).
-  `torch.nonzero` is slower than numpy's on 2 cores.
-- Compare bf16 through integer views (`t.view(torch.int16).numpy()`), never as floats: float
-  comparison says -0.0 == +0.0 and NaN != NaN, and both must round-trip bit-exact.
-- `scatter_` on bf16 is 20-70x slower than `index_copy_`: `tensors/words.py` uses
-  `index_select` and `index_copy_` off the CPU, and numpy indexing with int64 indices on it
-  (int32 indices are ~2x slower: numpy converts them first). The receiver floors use the same
-  int64 numpy indexing.
-- Fresh multi-GB allocations cost more than the comparison itself: work in bounded chunks
-  (~16 MiB) and reuse buffers; the benchmark touches its buffers before timing anything.
-- zstandard: one-shot `decompress()` needs the content size in the frame header (`compress()`
-  writes it, `compressobj` does not) and allocates a new buffer each time; `stream_reader(...)`
-  `.readinto` a reused buffer is 3-5x faster on large frames (on a version's small sparse
-  frames both took the same time, so the receiver floor uses one-shot `decompress()`). One
-  frame decodes on one thread; independent frames decode in parallel on a thread pool (hence
-  frames of at most `max_frame_bytes`). Output is capped by the size the manifest declares.
-- Incremental Adler-32 in int64: reduce `(n - p) mod 65521` before multiplying, or it
-  overflows (`format/checksum.py`).
-- A full post-apply scrub of host-memory tensors is cheap (XXH3-64 above); the O(changed)
-  Adler-32 is what makes verification possible *before* writing, and on GPUs.
-- `safetensors` `load_file` is lazy (mmap): it returns in milliseconds and whatever touches
-  the tensors reads the file, so a dense baseline must copy the data out to be honest
-  (`bench/dense.py`).
-- torch's two-thread `copy_` on a busy 2-core machine waits on its thread pool: loading the
-  small model (138 MB) with `load_file` + `copy_` took 0.07-1.2 s with two threads and
-  0.035 s with one. The dense baseline also times `load_file` + `copy_` on one torch thread
-  and reports its fastest method.
-- glibc raises its mmap threshold (up to 32 MiB) once large buffers are freed, and each
-  thread's arena then keeps the buffers that thread freed: after a foreach AdamW step (which
-  frees ~1 GB of temporaries on the medium trainer) a publisher that allocates chunk-sized
-  buffers on two worker threads grew the process by ~750 MiB that stayed resident, against a
-  live peak of ~60 MiB (`deltastore bench --mode trainer`, the `none-live` run with
-  `MALLOC_MMAP_THRESHOLD_=1048576`). Beside a fused step (no large temporaries) the same
-  publisher stayed at 71 MiB but took 1.9 s instead of 1.2 s: its fresh buffers page-faulted
-  on every publish. Reuse per-thread buffers across chunks instead of allocating them.
-- numba compiles without fast-math and without FMA contraction by default, so a kernel can
-  repeat numpy's float64 operations bit for bit; but LLVM may swap the operands of an `fadd`,
-  and x86 returns the first operand's NaN: where NaN payloads matter, select the operand
-  explicitly (`publish/invert_kernel.py`). Without `error_model="numpy"` a division checks for
-  zero and raises, which also stops vectorization.
-- moto is not S3: it serves a ranged GET by reading the whole object and slicing it, under a
-  per-object lock, so through moto the dense baseline's 8 ranged GETs read the object 8 times
-  or more and one whole-object GET is faster (on S3, ranged GETs are the fast path). The
-  benchmark times both and reports the faster.
-- `torch.distributed` gloo supports `all_to_all_single` with split sizes (a variable-size
-  exchange), not `all_to_all` with lists of differently sized tensors (`sync/group.py`).
-
-Emulator and service pitfalls of the store backends are in [stores.md](stores.md).
-"""
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
-
-
-def _x(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x" if v < 100 else f"{v:.0f}x"
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{100 * v:.2f}%"
-
-
-def _s(v: float | None) -> str:
-    return "-" if v is None else f"{v:.3f}"
-
-
-def _measured(value: float | None, op: str, threshold: float) -> str:
-    """The measured value with enough decimals that its rounding does not flip the check."""
-    if value is None:
-        return "-"
-    for digits in range(3, 8):
-        text = f"{value:.{digits}f}"
-        if holds(float(text), op, threshold) == holds(value, op, threshold):
-            return text
-    return repr(value)
-
-
-def _table(head: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    return lines + ["| " + " | ".join(r) + " |" for r in rows]
-
 
 _HEAD = [
     "system",
@@ -258,9 +144,67 @@ def _floors_table(s: StoreResult) -> list[str]:
                 _x(fl.pause_floor_ratio),
             ]
         )
+        rows += _memory_row(s)
     return _table(
         ["floor (medians; parts: medians each)", "floor s", "deltastore s", "ratio"], rows
     )
+
+
+def _memory_row(s: StoreResult) -> list[list[str]]:
+    """The memory floor's row of the floors table (none in documents without it)."""
+    fl, ds = s.floors, s.systems["deltastore"]
+    if fl is None or fl.memory_floor_median_s is None:
+        return []
+    parts = [
+        statistics.median(getattr(f, k) or 0.0 for f in fl.samples)
+        for k in ("pool_decompress_s", "rmw_s")
+    ]
+    threads = fl.samples[0].threads
+    return [
+        [
+            f"memory: zstd decompress + one native XOR pass over the changed words, on "
+            f"{threads} threads ({' + '.join(f'{p:.3f}' for p in parts)})",
+            _s(fl.memory_floor_median_s),
+            f"sync {ds.median.sync.total_s:.3f}",
+            _x(fl.memory_floor_ratio),
+        ]
+    ]
+
+
+def _beside_floors(s: StoreResult) -> list[str]:
+    """Sentences on the payload against the XOR entropy floor, the CPU per change and the
+    serving thread (each where the document has it)."""
+    out = []
+    fl, ds = s.floors, s.systems.get("deltastore")
+    if ds is not None and fl is not None and fl.xor_entropy_floor_median is not None:
+        gaps = statistics.median(
+            (f.gap_entropy_bytes or 0) / f.changed_elements for f in fl.samples
+        )
+        masks = statistics.median(
+            (f.mask_entropy_bytes or 0) / f.changed_elements for f in fl.samples
+        )
+        out.append(
+            f"Payload: deltastore {ds.median.bytes_per_changed:.3f} B per changed element; the "
+            f"XOR entropy floor (order-0 entropy of the gaps {gaps:.3f} + of the XOR masks "
+            f"{masks:.3f}) {fl.xor_entropy_floor_median:.3f}; payload / floor "
+            f"{_x(fl.payload_entropy_ratio)}."
+        )
+    if s.cpu_per_change_s is not None:
+        rmw = fl.rmw_per_change_median_s if fl is not None else None
+        out.append(
+            f"CPU per change: deltastore's subscriber process {s.cpu_per_change_s * 1e9:.2f} ns "
+            "(user + system, every thread)"
+            + (f"; the memory floor's XOR pass {rmw * 1e9:.2f} ns (wall)." if rmw else ".")
+        )
+    sv = s.serving
+    if sv is not None:
+        progress = "-" if sv.progress_median is None else f"{sv.progress_median:.2f}"
+        out.append(
+            f"Serving thread (pure Python, in the subscriber's process) during a sync / idle: "
+            f"{progress} (median); those syncs took {sv.sync_median_s:.3f} s, "
+            f"{_x(sv.sync_slowdown)} the measured syncs (which run without it)."
+        )
+    return [" ".join(out), ""] if out else []
 
 
 def _requests_table(s: StoreResult) -> list[str]:
@@ -330,6 +274,7 @@ def _store_section(s: StoreResult) -> list[str]:
     floors = _floors_table(s)
     if floors:
         out += [*floors, ""]
+    out += _beside_floors(s)
     notes = []
     if s.pause_fraction is not None:
         notes.append(f"deltastore pause / sync {_pct(s.pause_fraction)}")
@@ -372,7 +317,7 @@ def _bar_table(result: BenchResult) -> list[str]:
             b.name,
             b.store or "-",
             _measured(b.measured, b.op, b.threshold),
-            f"{b.op} {b.threshold:g}",
+            "-" if b.op == "report" else f"{b.op} {b.threshold:g}",
             {"pass": "pass", "fail": "FAIL"}.get(b.status, b.status),
         ]
         for b in result.bars
@@ -446,13 +391,21 @@ def _summary(result: BenchResult) -> list[str]:
             )
         if s.floors is not None:
             parts.append(f"sync / receiver floor {_x(s.floors.sync_floor_ratio)}")
+            if s.floors.memory_floor_ratio is not None:
+                parts.append(f"sync / memory floor {_x(s.floors.memory_floor_ratio)}")
             parts.append(f"pause / scatter floor {_x(s.floors.pause_floor_ratio)}")
+            if s.floors.payload_entropy_ratio is not None:
+                parts.append(f"payload / XOR entropy floor {_x(s.floors.payload_entropy_ratio)}")
+        if s.serving is not None and s.serving.progress_median is not None:
+            parts.append(f"serving thread progress {s.serving.progress_median:.2f}")
         parts.append(f"publish / detect floor {_x(s.publish_bound_ratio)}")
         out.append(f"- **{s.store}**: " + "; ".join(parts) + ".")
     passed = sum(b.status == "pass" for b in result.bars)
     na = sum(b.status == "n/a" for b in result.bars)
-    counted = len(result.bars) - na
+    reported = sum(b.status == "reported" for b in result.bars)
+    counted = len(result.bars) - na - reported
     na_text = f"; {na} not applicable to this run" if na else ""
+    na_text += f"; {reported} reported without a bar" if reported else ""
     out.append(f"- The bar: {passed} of {counted} checks pass ({_failing(result)}{na_text}).")
     return out
 
@@ -573,55 +526,6 @@ def performance_doc(
         out += [trainer_markdown(t, level=3).rstrip("\n"), ""]
     out += ["## Measured limits and pitfalls", "", LIMITS_AND_PITFALLS.strip(), ""]
     return "\n".join(out)
-
-
-# --- plot ----------------------------------------------------------------------------------
-
-
-class PlotUnavailable(ImportError):
-    """matplotlib is not installed."""
-
-
-def _pyplot() -> Any:
-    try:
-        matplotlib = importlib.import_module("matplotlib")
-        matplotlib.use("Agg")
-        plt = importlib.import_module("matplotlib.pyplot")
-    except ImportError:
-        raise PlotUnavailable("--plot needs matplotlib: pip install 'deltastore[plot]'") from None
-    return plt
-
-
-def check_plot() -> None:
-    """Raise :class:`PlotUnavailable` now rather than after a long run."""
-    _pyplot()
-
-
-def plot(result: BenchResult, path: str | os.PathLike[str]) -> None:
-    """A PNG: median payload per system, then per store the median publish and sync times."""
-    plt = _pyplot()
-    stores = result.stores
-    fig, axes = plt.subplots(1, 1 + len(stores), figsize=(5 * (1 + len(stores)), 4.5))
-    axes = list(axes) if len(stores) else [axes]
-    if stores:
-        first = stores[0].systems
-        axes[0].bar(list(first), [r.median.publish.payload_bytes for r in first.values()])
-    axes[0].set_yscale("log")
-    axes[0].set_title("payload per version (bytes)")
-    for ax, s in zip(axes[1:], stores, strict=True):
-        names = list(s.systems)
-        xs = range(len(names))
-        ax.bar([x - 0.2 for x in xs], [r.median.publish.total_s for r in s.systems.values()], 0.4)
-        ax.bar([x + 0.2 for x in xs], [r.median.sync.total_s for r in s.systems.values()], 0.4)
-        ax.set_xticks(list(xs), names)
-        ax.set_yscale("log")
-        ax.legend(["publish", "sync"])
-        ax.set_title(f"seconds per version, store {s.store}")
-    w = result.workload
-    fig.suptitle(f"deltastore bench: {w.size} ({w.elements / 1e6:.0f}M elements), lr {w.lr:g}")
-    fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=100)
-    plt.close(fig)
 
 
 # --- command line --------------------------------------------------------------------------

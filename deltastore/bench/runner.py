@@ -30,10 +30,12 @@ from deltastore._version import __version__
 from deltastore.bench.analysis import (
     bar_checks,
     baseline_ratios,
+    cpu_per_change,
     fastest,
     floors,
     medians,
     method_results,
+    serving,
 )
 from deltastore.bench.ops import cpu_model, memory_bytes, stderr_log
 from deltastore.bench.schema import (
@@ -45,6 +47,7 @@ from deltastore.bench.schema import (
     Medians,
     ScalingResult,
     ScalingSide,
+    ServingSample,
     StoreResult,
     SystemResult,
     WorkloadInfo,
@@ -219,6 +222,7 @@ def _run_system(
             flips=flips,
             expect=tuple(pub.flip_digests),
             floors=system == "deltastore",
+            serving=system == "deltastore",
         )
     )
     t2 = time.perf_counter()
@@ -227,10 +231,15 @@ def _run_system(
     sync_s = ", ".join(
         f"{s.times.total_s:.2f}" + (f" ({s.method})" if s.method else "") for s in sub.samples
     )
-    floor_s = ", ".join(f"{f.receiver_floor_s:.3f}/{f.scatter_floor_s:.3f}" for f in sub.floors)
+    floor_s = ", ".join(
+        f"{f.receiver_floor_s:.3f}/{f.scatter_floor_s:.3f}/{f.memory_floor_s or 0:.3f}"
+        for f in sub.floors
+    )
+    serve = ", ".join(f"{s.progress or 0:.2f} ({s.sync_s:.3f} s)" for s in sub.serving)
     log(
         f"  [{store.label}] {wl.index.size} {system}: publish {pub_s} s, sync {sync_s} s"
-        + (f", floors (receiver/scatter) {floor_s} s" if floor_s else "")
+        + (f", floors (receiver/scatter/memory) {floor_s} s" if floor_s else "")
+        + (f", serving thread progress {serve}" if serve else "")
         + (f", scaling syncs {', '.join(f'{t:.3f}' for t in sub.flip_sync_s)} s" if reps else "")
         + f" (workers {t1 - t0:.0f} + {t2 - t1:.0f} s, "
         + f"setup {pub.setup_s:.0f} + {sub.setup_s:.0f} s)"
@@ -286,6 +295,7 @@ def run_store(
     meds: dict[str, Medians] = {}
     bound: list[float] = []
     floor_samples: list[FloorSample] = []
+    serving_samples: list[ServingSample] = []
     anchor: int | None = None
     side = None
     for system in systems:
@@ -295,6 +305,7 @@ def run_store(
         meds[system] = results[system].median
         bound += pub.bound_s
         floor_samples += sub.floors
+        serving_samples += sub.serving
         anchor = pub.anchor_bytes if pub.anchor_bytes is not None else anchor
         if extra is not None:
             side = _scaling_side(wl, sub)
@@ -325,6 +336,12 @@ def run_store(
         anchor_bytes=anchor,
         anchor_fraction=anchor / wl.dense_bytes if anchor is not None else None,
         link=link,
+        cpu_per_change_s=cpu_per_change(
+            results["deltastore"].sync, [wl.index.changed[v] for v in range(1, wl.files)]
+        )
+        if "deltastore" in results
+        else None,
+        serving=serving(serving_samples, ds.sync if ds else None),
     )
     return result, side
 
@@ -406,7 +423,7 @@ def run_bench(options: BenchOptions) -> BenchResult:
         workload=_workload_info(wl, generated),
         stores=stores,
         scaling=scaling,
-        bars=bar_checks(stores, scaling),
+        bars=bar_checks(stores, scaling, wl.index.size),
         exact=exact,
         skipped=skipped,
         wall_s=time.perf_counter() - t0,

@@ -16,7 +16,11 @@ Added in version 2 without a change of meaning: request counts (``requests``,
 the other; deltastore's ``commit_round_trips`` after its data objects; deltastore's poll),
 and the shaped link a store was reached through (:class:`LinkInfo`), with the floors it sets;
 :attr:`BarCheck.status` (``n/a`` for a check this run cannot answer, which no longer counts
-as passed).
+as passed); the memory floor and the XOR entropy floor (:class:`FloorSample`, :class:`Floors`),
+each sync's process CPU (:attr:`SyncTimes.cpu_s`) and deltastore's CPU per change, the
+serving thread beside deltastore's syncs (:class:`Serving`), and reported checks without a
+bar (:attr:`BarCheck.op` ``report``, status ``reported``). Documents written before a field
+existed read with it None.
 """
 
 from __future__ import annotations
@@ -71,6 +75,9 @@ class SyncTimes(_Model):
     #: other (:func:`~deltastore.store.counting.critical_path`).
     requests: int | None = None
     round_trips: int | None = None
+    #: CPU seconds (user + system, every thread) the worker process spent in the sync
+    #: (``time.process_time``), less the RSS meter's own sampling thread.
+    cpu_s: float | None = None
 
 
 class PublishSample(_Model):
@@ -162,14 +169,26 @@ class Ratios(_Model):
 
 class FloorSample(_Model):
     """The receiver's floors for one measured version, timed in deltastore's subscriber
-    process on its own tensors after all its syncs (one thread, numpy, int64 positions).
+    process on its own tensors after all its syncs (receiver and pause floors: one thread,
+    numpy, int64 positions).
 
     ``decompress_s``: zstd decompression of every stored frame of the version (``frames``
     frames, ``payload_bytes`` bytes); ``gather_s``: one gather of the changed words;
     ``checksum_s``: the O(changed) Adler-32 update (``delta_sums``) per tensor;
     ``scatter_s``: one scatter of the new words, all in the same pass per tensor;
     ``receiver_floor_s``: their sum. ``scatter_floor_s``: one bare scatter of the same words
-    into the same tensors, timed on its own (the pause floor)."""
+    into the same tensors, timed on its own (the pause floor).
+
+    The memory floor, on a pool of ``threads`` threads (as many as deltastore's subscriber
+    decodes on): ``pool_decompress_s`` zstd decompression of the same frames, split across
+    the threads; ``rmw_s`` one native read-modify-write pass XORing ``old ^ new`` into the
+    changed words (:mod:`deltastore.kernels.floor`), the changes split into equal runs across
+    the threads; ``memory_floor_s`` their sum.
+
+    The XOR entropy floor, from the same changes: ``gap_entropy_bytes`` the order-0 entropy
+    of the gaps (unchanged elements before each change in its tensor, as symbols) and
+    ``mask_entropy_bytes`` that of the XOR masks (16-bit symbols), in bytes;
+    ``xor_entropy_floor`` their sum / ``changed_elements`` (bytes per changed element)."""
 
     version: int
     changed_elements: int
@@ -181,17 +200,62 @@ class FloorSample(_Model):
     scatter_s: float
     receiver_floor_s: float
     scatter_floor_s: float
+    threads: int | None = None
+    pool_decompress_s: float | None = None
+    rmw_s: float | None = None
+    memory_floor_s: float | None = None
+    gap_entropy_bytes: float | None = None
+    mask_entropy_bytes: float | None = None
+    xor_entropy_floor: float | None = None
 
 
 class Floors(_Model):
     """deltastore's receiver floors in one store: per version, the medians, and deltastore's
-    median sync time / median receiver floor and median pause / median scatter floor."""
+    median sync time / median receiver floor and median pause / median scatter floor.
+
+    ``memory_floor_median_s`` and ``memory_floor_ratio`` (median sync / it);
+    ``rmw_per_change_median_s``: the median over versions of the memory floor's RMW pass /
+    changed elements (seconds per change); ``xor_entropy_floor_median`` (bytes per changed
+    element) and ``payload_entropy_ratio``: the median over versions of deltastore's payload
+    per changed element / that version's XOR entropy floor."""
 
     samples: list[FloorSample]
     receiver_floor_median_s: float
     scatter_floor_median_s: float
     sync_floor_ratio: float | None
     pause_floor_ratio: float | None
+    memory_floor_median_s: float | None = None
+    memory_floor_ratio: float | None = None
+    rmw_per_change_median_s: float | None = None
+    xor_entropy_floor_median: float | None = None
+    payload_entropy_ratio: float | None = None
+
+
+class ServingSample(_Model):
+    """One replayed deltastore sync of ``version`` with the serving thread running (a Python
+    thread doing fixed pure-Python work in units, :mod:`deltastore.bench.serving`): the sync's
+    wall time ``sync_s``, the units the thread completed during it (``busy_units``) and in
+    about the same wall time right after, the process idle (``idle_units`` in ``idle_s``),
+    and ``progress`` = busy units per second / idle units per second (None when the idle
+    run completed none)."""
+
+    version: int
+    sync_s: float
+    busy_units: int
+    idle_s: float
+    idle_units: int
+    progress: float | None
+
+
+class Serving(_Model):
+    """The serving thread beside deltastore's syncs in one store: per version, the median
+    ``progress``, the median sync time with the thread running and that / deltastore's
+    median measured sync time (``sync_slowdown``; the measured syncs run without it)."""
+
+    samples: list[ServingSample]
+    progress_median: float | None
+    sync_median_s: float
+    sync_slowdown: float | None
 
 
 class LinkInfo(_Model):
@@ -218,7 +282,9 @@ class StoreResult(_Model):
     bound; ``pause_fraction``: deltastore's median pause / its median sync time; ``floors``:
     the receiver and pause floors; ``anchor_bytes``: the stored bytes of deltastore's anchor
     (the base version, published untimed before the measured versions) and
-    ``anchor_fraction`` that / the model's dense bytes."""
+    ``anchor_fraction`` that / the model's dense bytes; ``cpu_per_change_s``: the median over
+    versions of deltastore's sync CPU seconds (:attr:`SyncTimes.cpu_s`) / changed elements;
+    ``serving``: the serving thread's progress beside deltastore's syncs."""
 
     store: str
     systems: dict[str, SystemResult]
@@ -231,6 +297,8 @@ class StoreResult(_Model):
     anchor_bytes: int | None
     anchor_fraction: float | None
     link: LinkInfo | None = None
+    cpu_per_change_s: float | None = None
+    serving: Serving | None = None
 
 
 class ScalingSide(_Model):
@@ -254,7 +322,7 @@ class ScalingResult(_Model):
     ratio: float
 
 
-BarStatus = Literal["pass", "fail", "n/a"]
+BarStatus = Literal["pass", "fail", "n/a", "reported"]
 
 
 class BarCheck(_Model):
@@ -262,13 +330,15 @@ class BarCheck(_Model):
 
     ``status``: ``pass`` (it holds), ``fail`` (it does not, or nothing was measured), ``n/a``
     (this run cannot answer it: scaling with model size when the benchmarked size is the
-    small model itself; ``measured`` is then None). ``passed`` is ``status == "pass"``.
-    Documents written before ``status`` existed get it from ``passed``."""
+    small model itself; ``measured`` is then None), ``reported`` (op ``report``: a number
+    reported beside the bar, with no threshold to hold; ``threshold`` is then 0 and means
+    nothing). ``passed`` is ``status == "pass"``. Documents written before ``status``
+    existed get it from ``passed``."""
 
     name: str
     store: str | None
     measured: float | None
-    op: Literal["<=", ">=", "<", ">"]
+    op: Literal["<=", ">=", "<", ">", "report"]
     threshold: float
     passed: bool
     what: str
@@ -285,6 +355,8 @@ class BarCheck(_Model):
     def _passed_agrees(self) -> BarCheck:
         if self.passed != (self.status == "pass"):
             raise ValueError(f"bar check {self.name!r}: passed={self.passed}, status {self.status}")
+        if (self.op == "report") != (self.status == "reported"):
+            raise ValueError(f"bar check {self.name!r}: op {self.op}, status {self.status}")
         return self
 
 

@@ -130,11 +130,21 @@ class DeltastoreSender(Sender):
         )
 
 
+#: The threads deltastore's subscriber fetches and decodes on (``Subscriber(max_workers=)``,
+#: its default); the memory floor runs on as many (:mod:`deltastore.bench.floors`).
+SUBSCRIBER_WORKERS = 4
+
+
 class DeltastoreReceiver(Receiver):
     method = "Subscriber.sync"
 
     def start(self) -> None:
-        self.sub = Subscriber(self.store, tensors=self.wl.tensors(self.flat), version=0)
+        self.sub = Subscriber(
+            self.store,
+            tensors=self.wl.tensors(self.flat),
+            version=0,
+            max_workers=SUBSCRIBER_WORKERS,
+        )
         self.sub.verify()  # the O(model) check of tensors handed over with a version
 
     def sync(self, version: int, method: str | None = None) -> SyncTimes:

@@ -16,9 +16,18 @@ versions that each differ from the one before in exactly ``flips`` words (bit 0 
 seeded random positions over the whole model) and reports their digests; the subscriber
 syncs them, timed, and checks the digests.
 
-Floors (deltastore only): after all its syncs, the subscriber times the receiver and pause
-floors of each measured version (:mod:`deltastore.bench.floors`) into its own tensors. The
-publisher reports the stored size of the anchor its sender published during setup.
+Every measured sync also reports the process CPU it took (``time.process_time`` around it,
+less the RSS meter's sampling thread).
+
+Serving (deltastore only): after the scaling syncs, the subscriber puts its words back at the
+base version (untimed), starts a fresh receiver on them (its check untimed) and syncs every
+measured version again with the serving thread running (:mod:`deltastore.bench.serving`), so
+that the measured syncs above run without it.
+
+Floors (deltastore only): after all its syncs, the subscriber times the receiver, pause and
+memory floors of each measured version (:mod:`deltastore.bench.floors`) into its own
+tensors, on one pool of threads. The publisher reports the stored size of the anchor its
+sender published during setup.
 
 Workers are started from a fork server that imported this module once (a fresh interpreter
 with torch costs seconds per worker); each is still a separate process with its own memory.
@@ -36,10 +45,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-from deltastore.bench import floors
+from deltastore.bench import floors, serving
 from deltastore.bench.dense import DenseNaiveReceiver, DenseNaiveSender, DenseReceiver, DenseSender
 from deltastore.bench.ops import Differ, RssMeter, digest, flip_positions, rss_bytes
-from deltastore.bench.schema import FloorSample, PublishSample, SyncSample
+from deltastore.bench.schema import FloorSample, PublishSample, ServingSample, SyncSample
 from deltastore.bench.systems import (
     CooReceiver,
     CooSender,
@@ -88,6 +97,8 @@ class Task:
     expect: tuple[str, ...] = ()
     #: sync: time the receiver floors of every measured version after the syncs.
     floors: bool = False
+    #: sync: replay the measured versions with the serving thread running (deltastore).
+    serving: bool = False
 
 
 @dataclass
@@ -113,6 +124,7 @@ class SyncRun:
     flip_sync_s: list[float] = field(default_factory=list)
     flip_exact: bool = True
     floors: list[FloorSample] = field(default_factory=list)
+    serving: list[ServingSample] = field(default_factory=list)
     method: str = ""
     methods: tuple[str, ...] = ()
     poll_requests: int | None = None
@@ -174,10 +186,12 @@ def run_subscriber(task: Task) -> SyncRun:
         for method in order:
             if method is not None:
                 flat.fill(0)  # each method loads every word, checked on its own
+            cpu = time.process_time()
             with RssMeter(baseline=baseline) as rss, store.window() as calls:
                 times = receiver.sync(version, method)
+            cpu = time.process_time() - cpu - rss.cpu_s
             times = times.model_copy(
-                update={"requests": len(calls), "round_trips": critical_path(calls)}
+                update={"requests": len(calls), "round_trips": critical_path(calls), "cpu_s": cpu}
             )
             got = digest([flat])
             out.samples.append(
@@ -199,8 +213,14 @@ def run_subscriber(task: Task) -> SyncRun:
         receiver.sync(wl.files - 1 + rep)
         out.flip_sync_s.append(time.perf_counter() - t0)
         out.flip_exact = out.flip_exact and digest([flat]) == expect
+    if task.serving and isinstance(receiver, DeltastoreReceiver):
+        wl.read_into(0, flat)
+        replay = DeltastoreReceiver(store, wl, flat)
+        replay.start()
+        out.serving = serving.measure(replay.sync, range(1, wl.files))
     if task.floors:
-        out.floors = [floors.measure(store, wl, flat, v) for v in range(1, wl.files)]
+        with floors.FloorPool() as pool:
+            out.floors = [floors.measure(store, wl, flat, v, pool) for v in range(1, wl.files)]
     return out
 
 
