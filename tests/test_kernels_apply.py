@@ -189,3 +189,38 @@ def test_damaged_frame_stages_nothing() -> None:
     with pytest.raises(Exception, match="Adler-32"):
         stage_frame(local, task, data, FrameDecoder(), True)
     assert np.array_equal(local, before)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_parallel_xor_writes_all_or_nothing(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sparse XOR writes spread over threads land bit for bit; one that cannot be written (a
+    tensor with no host memory) leaves every tensor as it was."""
+    import torch
+
+    monkeypatch.setattr(words, "PARALLEL_WORDS", 1)
+    rng = np.random.default_rng(7)
+    tensors = [rng.integers(0, 2**16, size=50_000, dtype=np.uint16) for _ in range(5)]
+    before = [t.copy() for t in tensors]
+    writes = []
+    for t in tensors:
+        pos = np.unique(rng.integers(0, t.size, size=rng.integers(1, 5000))).astype(np.int32)
+        masks = rng.integers(1, 2**16, size=pos.size, dtype=np.uint16)
+        writes.append(words.Write(t, pos, masks, masks, False, True))
+    words.write_all(writes, threads=threads)
+    for t, b, w in zip(tensors, before, writes, strict=True):
+        expect = b.copy()
+        expect[w.positions] ^= w.new
+        assert np.array_equal(t, expect)
+    words.restore_all(writes)
+    assert all(np.array_equal(t, b) for t, b in zip(tensors, before, strict=True))
+    bad = words.Write(
+        torch.empty(10, dtype=torch.int16, device="meta"),
+        writes[0].positions[:1],
+        writes[0].new[:1],
+        writes[0].new[:1],
+        False,
+        True,
+    )
+    with pytest.raises(TypeError):
+        words.write_all([*writes[:2], bad, *writes[2:]], threads=threads)
+    assert all(np.array_equal(t, b) for t, b in zip(tensors, before, strict=True))
