@@ -235,9 +235,10 @@ class ServingSample(_Model):
     """One replayed deltastore sync of ``version`` with the serving thread running (a Python
     thread doing fixed pure-Python work in units, :mod:`deltastore.bench.serving`): the sync's
     wall time ``sync_s``, the units the thread completed during it (``busy_units``) and in
-    about the same wall time right after, the process idle (``idle_units`` in ``idle_s``),
-    and ``progress`` = busy units per second / idle units per second (None when the idle
-    run completed none)."""
+    two windows with the process otherwise idle, one just before the sync and one as long as
+    the sync right after it (``idle_units`` in ``idle_s``, both windows together), and
+    ``progress`` = busy units per second / idle units per second (None when the idle
+    windows completed none)."""
 
     version: int
     sync_s: float

@@ -3,10 +3,12 @@ still gets done while deltastore syncs beside it in the same process.
 
 :class:`ServingThread` is a Python thread doing fixed pure-Python work (small dict and list
 operations) in units of about a few microseconds, counting the units it completed. For each
-version, :func:`measure` runs a sync with the thread running and counts the units completed
-during it, then the units completed in the same wall time right after, the process otherwise
-idle (the calling thread sleeps): progress = units per second during the sync / units per
-second idle (rates, as the sleep may overshoot).
+version, :func:`measure` counts the units completed while the process is otherwise idle (the
+calling thread sleeps) just before the sync (as long as the previous sync took;
+:data:`FIRST_IDLE_S` before the first), during the sync, and idle again right after it for
+as long as the sync took: progress = units per second during the sync / units per second
+over both idle windows (rates, as a sleep may overshoot; two windows around the sync, so
+that other load on the machine weighs on both sides alike).
 A sync that holds the GIL, or whose worker threads take it often, shows up as progress
 below 1; so does a sync that keeps every core busy.
 
@@ -22,6 +24,9 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 
 from deltastore.bench.schema import ServingSample
+
+#: Seconds of the idle window before the first sync (later ones: the previous sync's time).
+FIRST_IDLE_S = 0.05
 
 
 class ServingThread:
@@ -60,20 +65,27 @@ class ServingThread:
         self._thread.join()
 
 
+def _idle(serving: ServingThread, seconds: float) -> tuple[int, float]:
+    """Units the serving thread completes while this thread sleeps ``seconds``, and the
+    seconds that took."""
+    u0, t0 = serving.units, time.perf_counter()
+    time.sleep(seconds)
+    return serving.units - u0, time.perf_counter() - t0
+
+
 def measure(sync: Callable[[int], object], versions: Iterable[int]) -> list[ServingSample]:
-    """Per version: ``sync(version)`` with the serving thread running, then the same wall
-    time idle (see the module docstring)."""
-    out = []
+    """Per version: an idle window, ``sync(version)`` with the serving thread running, an
+    idle window as long as the sync (see the module docstring)."""
+    out: list[ServingSample] = []
     with ServingThread() as serving:
         for version in versions:
+            before = _idle(serving, out[-1].sync_s if out else FIRST_IDLE_S)
             u0, t0 = serving.units, time.perf_counter()
             sync(version)
             t1, u1 = time.perf_counter(), serving.units
-            u2, t2 = serving.units, time.perf_counter()
-            time.sleep(t1 - t0)
-            t3, u3 = time.perf_counter(), serving.units
-            busy, idle = u1 - u0, u3 - u2
-            sync_s, idle_s = t1 - t0, t3 - t2  # the sleep may overshoot: compare rates
+            after = _idle(serving, t1 - t0)
+            busy, sync_s = u1 - u0, t1 - t0
+            idle, idle_s = before[0] + after[0], before[1] + after[1]
             out.append(
                 ServingSample(
                     version=version,
