@@ -11,6 +11,7 @@ last element, dense and escaped (long-gap) frames.
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -224,3 +225,32 @@ def test_parallel_xor_writes_all_or_nothing(threads: int, monkeypatch: pytest.Mo
     with pytest.raises(TypeError):
         words.write_all([*writes[:2], bad, *writes[2:]], threads=threads)
     assert all(np.array_equal(t, b) for t, b in zip(tensors, before, strict=True))
+
+
+def test_subscriber_threads_option(tmp_path: Path) -> None:
+    """``Subscriber(threads=1)`` syncs bit-exactly, as the default does; ``threads=0`` is
+    refused with a message."""
+    import torch
+
+    from deltastore import Publisher, Subscriber
+
+    url = str(tmp_path / "store")
+    rng = np.random.default_rng(5)
+    w = {
+        f"t{i}": torch.from_numpy(rng.standard_normal(20_000).astype(np.float32)) for i in range(3)
+    }
+    w = {k: v.to(torch.bfloat16) for k, v in w.items()}
+    pub = Publisher(url)
+    pub.publish(w, version=1)
+    for t in w.values():
+        t.view(torch.int16)[torch.from_numpy(rng.choice(t.numel(), 300, replace=False))] ^= 5
+    pub.publish(w, version=2)
+    for threads in (None, 1, 2):
+        sub = Subscriber(url, threads=threads)
+        sub.sync()
+        got = sub.tensors
+        assert got is not None and sub.version == 2
+        for k, v in w.items():
+            assert torch.equal(got[k].view(torch.int16), v.view(torch.int16))
+    with pytest.raises(ValueError, match="threads"):
+        Subscriber(url, threads=0)

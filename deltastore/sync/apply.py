@@ -298,9 +298,14 @@ def write_phase(
     writes: Sequence[Write],
     hooks: Hooks,
     agree: Callable[[bool], Sequence[int]] | None = None,
+    *,
+    threads: int | None = None,
 ) -> None:
     """The write phase: ``hooks.pause``; every write, all or nothing
     (:func:`deltastore.tensors.words.write_all`); ``hooks.resume``, also on error.
+
+    ``threads``: how many threads sparse XOR writes may use
+    (:func:`~deltastore.tensors.words.write_all`; None: every CPU).
 
     ``agree`` (the layout path; a collective every rank enters): called after this rank's writes
     with whether they failed (then already rolled back), returns the ranks that failed. If any
@@ -312,7 +317,7 @@ def write_phase(
     try:
         error: Exception | None = None
         try:
-            words.write_all(writes)
+            words.write_all(writes, threads)
         except Exception as exc:
             if agree is None:
                 raise

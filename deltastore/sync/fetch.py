@@ -124,7 +124,8 @@ class Fetcher:
     priority of the thread that calls :meth:`run` (Linux threads inherit nice and policy from
     the thread that makes them) and are lowered to ``priority`` when it is lower
     (:mod:`deltastore.sync.priority`: a nice value 1-19 or ``"idle"``; 0: as the caller), so
-    that a sync beside a serving engine takes the cores the engine leaves idle.
+    that a sync beside a serving engine takes the cores the engine leaves idle. At most
+    ``threads`` of them (default: :func:`cpu_slots`) work on frames at once.
     ``run`` is called by one thread.
     """
 
@@ -134,8 +135,11 @@ class Fetcher:
         max_workers: int,
         max_inflight: int,
         priority: Priority = 0,
+        *,
+        threads: int | None = None,
     ) -> None:
         self.store, self._workers, self._max_inflight = store, max_workers, max_inflight
+        self._threads = threads
         self.priority = check_priority(priority)
         self._local = threading.local()
 
@@ -205,7 +209,7 @@ class Fetcher:
         once (reads are not counted: they wait on the store). The in-flight budget counts a
         read's bytes until its last frame is done."""
         budget = ByteBudget(self._max_inflight)
-        slots = threading.BoundedSemaphore(min(self._workers, cpu_slots()))
+        slots = threading.BoundedSemaphore(min(self._workers, self._threads or cpu_slots()))
         failed = threading.Event()
         lock = threading.Lock()
         results: list[Any] = [None] * len(tasks)

@@ -153,7 +153,11 @@ class Subscriber(Generic[TensorT]):
 
     ``priority``: the CPU priority of the worker threads that fetch, decode and stage
     (:mod:`deltastore.sync.priority`: a nice value 1-19 or ``"idle"``; default 0: the
-    priority of the thread calling :meth:`sync`, which keeps its own).
+    priority of the thread calling :meth:`sync`, which keeps its own). ``threads``: how many
+    threads decode, stage and write at once (default None: every CPU this process may run on;
+    an engine that needs cores for itself passes fewer). The decode-and-apply kernel
+    (:mod:`deltastore.kernels.apply`) releases the GIL: a Python thread beside a sync, such as
+    an engine's scheduler, keeps running.
     """
 
     def __init__(
@@ -175,11 +179,15 @@ class Subscriber(Generic[TensorT]):
         reader_id: str | None = None,
         lease_ttl: float | None = DEFAULT_LEASE_TTL_S,
         priority: Priority = 0,
+        threads: int | None = None,
     ) -> None:
         if version is not None and tensors is None:
             raise ValueError("version= needs tensors=: the tensors that are at that version")
         if max_workers < 1 or max_inflight_bytes < 1 or max_frame_bytes < 1:
             raise ValueError("max_workers, max_inflight_bytes and max_frame_bytes must be positive")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads={threads}: give at least 1 (or None: every CPU)")
+        self._threads = threads
         self.store = open_store(url, storage_options)
         self._io = CountingStore(self.store)  # every request of this subscriber, counted
         self._tensors = tensors
@@ -192,7 +200,9 @@ class Subscriber(Generic[TensorT]):
         # where tensors allocated here go; the default needs no torch until they are
         self._device: str | torch.device = "cpu" if device == "cpu" else _torch_device(device)
         self._max_frame_bytes = max_frame_bytes
-        self._frames = Fetcher(self._io, max_workers, max_inflight_bytes, check_priority(priority))
+        self._frames = Fetcher(
+            self._io, max_workers, max_inflight_bytes, check_priority(priority), threads=threads
+        )
         self._group = Group(group)
         self._lease = LeaseKeeper(self._io, reader_id, lease_ttl if self._group.rank == 0 else None)
         self._hooks = Hooks(pause, resume)
@@ -483,7 +493,7 @@ class Subscriber(Generic[TensorT]):
         verify_tensors(m, got, "nothing was written")
         writes = writes_of(self._tensors, (st.update for st in staged))  # before the pause
         t1 = time.perf_counter()
-        write_phase(writes, self._hooks)
+        write_phase(writes, self._hooks, threads=self._threads)
         self._set_state(m)
         return t1 - t0, time.perf_counter() - t1
 
