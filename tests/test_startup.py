@@ -23,7 +23,7 @@ from deltastore import Publisher, __version__
 from tests.helpers import console_script
 
 ROOT = Path(__file__).parent.parent
-HEAVY = ("torch", "typer", "rich")
+HEAVY = ("torch", "typer", "rich", "numba")
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +52,28 @@ def run(env: dict[str, str], *args: str | Path) -> subprocess.CompletedProcess[s
     )
 
 
-def test_import_deltastore_imports_no_torch_typer_or_rich() -> None:
+def test_import_deltastore_imports_no_torch_typer_rich_or_numba() -> None:
     code = (
         "import json, sys, deltastore, deltastore.format.manifest; "
         f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
+
+
+@pytest.mark.parametrize("command", ["--help", "log", "show"])
+def test_read_only_commands_load_no_kernel(command: str, store: Path) -> None:
+    """The native kernels (numba) are loaded by the paths that decode deltas, never by the
+    commands that only read manifests."""
+    argv = {"--help": ["--help"], "log": ["log", str(store)], "show": ["show", str(store), "2"]}
+    code = (
+        "import atexit, sys; "
+        "atexit.register(lambda: print('numba' in sys.modules, file=sys.stderr)); "
+        f"sys.argv = ['deltastore', *{argv[command]!r}]; "
+        "from deltastore_cli import main; main()"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stderr.strip().splitlines()[-1] == "False", out.stderr
 
 
 @pytest.mark.parametrize("command", ["--help", "--version", "log", "log-json", "show", "verify"])

@@ -32,6 +32,7 @@ most 2^32 changes, and :func:`stage_sparse2` reduces them to ``(dA, dB)`` mod 65
 
 from __future__ import annotations
 
+import struct
 from typing import Any, Final
 
 import numba  # type: ignore[import-untyped, unused-ignore]
@@ -264,6 +265,19 @@ def xor_at(local: np.ndarray, positions: np.ndarray, masks: np.ndarray) -> None:
     _xor_at(_words(local, masks.dtype.itemsize), positions, masks)
 
 
+def warm() -> None:
+    """Load (or, in a fresh environment, compile) the kernels for 2-byte words and int32
+    positions, the common case, so that the first frame does not wait for them: about 0.2 s
+    from the on-disk cache, about 1.3 s to compile (measured; docs/design/decisions.md).
+    Thread-safe; cheap after the first call."""
+    words = np.zeros(2, dtype=np.uint16)
+    raw = struct.pack("<IIB3s", 1, 0, 0, b"\0\0\0") + bytes([1, 1, 0])
+    status, pos, masks, _ = stage_sparse2(raw, 1, 0, 0, 2, words, 0, 4)
+    if status == OK:
+        xor_at(words, pos, masks)
+    decode_sparse2(raw, 1, 0, 0, 2, 2)
+
+
 __all__ = [
     "ESCAPES_DISAGREE",
     "LOW_TOO_WIDE",
@@ -273,5 +287,6 @@ __all__ = [
     "ZERO_MASK",
     "decode_sparse2",
     "stage_sparse2",
+    "warm",
     "xor_at",
 ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
@@ -200,6 +201,7 @@ class Subscriber(Generic[TensorT]):
         # where tensors allocated here go; the default needs no torch until they are
         self._device: str | torch.device = "cpu" if device == "cpu" else _torch_device(device)
         self._max_frame_bytes = max_frame_bytes
+        _warm_kernels()
         self._frames = Fetcher(
             self._io, max_workers, max_inflight_bytes, check_priority(priority), threads=threads
         )
@@ -610,6 +612,28 @@ class Subscriber(Generic[TensorT]):
         self._tensors = target
         self._set_state(m)
         return time.perf_counter() - t0
+
+
+_warming: threading.Thread | None = None
+
+
+def _warm_kernels() -> None:
+    """Load the native decode kernel on a daemon thread (once per process), so that the first
+    delta a subscriber applies does not wait for it (:func:`deltastore.kernels.apply.warm`)."""
+    global _warming
+    if _warming is not None:
+        return
+
+    def warm() -> None:
+        try:
+            from deltastore.kernels.apply import warm as load
+
+            load()
+        except Exception as exc:  # the first frame loads it again, and reports the problem
+            log.debug("could not load the decode kernel ahead of time: %s", exc)
+
+    _warming = threading.Thread(target=warm, name="deltastore-warm", daemon=True)
+    _warming.start()
 
 
 def _torch_device(device: str | torch.device) -> torch.device:
