@@ -93,7 +93,7 @@ class Receiver:
         known = {
             "mode", "layout", "pad_vocab_to", "reader_id", "lease_ttl", "max_workers",
             "max_inflight_bytes", "commit_timeout_s", "rebuild_on_attach", "priority",
-            "trace_cache",
+            "trace_cache", "threads",
         }  # fmt: skip
         unknown = sorted(set(options) - known)
         if unknown:
@@ -196,7 +196,7 @@ class Receiver:
             "group": self._group,
             "device": device,
         }
-        for key in ("max_workers", "max_inflight_bytes"):
+        for key in ("max_workers", "max_inflight_bytes", "threads"):
             if key in options:
                 common[key] = int(options[key])
         # a background sync's thread (and the pool it starts) yields the cores to serving
