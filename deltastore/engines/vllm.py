@@ -115,8 +115,9 @@ class DeltastoreWorkerExtension:
         ``options``: ``mode`` ("auto" | "inplace" | "rebuild"), ``layout`` ("module:function"),
         ``pad_vocab_to`` (64), ``reader_id``, ``lease_ttl`` (s; 0: no lease), ``max_workers``,
         ``max_inflight_bytes``, ``threads`` (the threads that decode and write; default: every
-        CPU), ``commit_timeout_s`` (600), ``rebuild_on_attach`` (True), ``priority`` (19: the nice value of a prepared sync's threads, 1-19; "idle":
-        ``SCHED_IDLE``; 0: unchanged; :mod:`deltastore.sync.priority`).
+        CPU), ``commit_timeout_s`` (600), ``rebuild_on_attach`` (True), ``priority`` (19: the
+        nice value of a prepared sync's threads, 1-19; "idle": ``SCHED_IDLE``; 0: unchanged;
+        :mod:`deltastore.sync.priority`).
         The error is a :class:`LayoutError` when the model does not fit its layout and a
         :class:`~deltastore.errors.TensorMismatchError` when the parameters are not at
         ``version``. Binds on every rank or on none: a failed attach (on any rank) leaves each
