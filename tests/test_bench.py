@@ -694,6 +694,11 @@ def test_bar_check_status_of_older_documents() -> None:
     assert type(slow).model_validate({**old, "passed": True}).status == "pass"
     with pytest.raises(ValueError, match="status"):
         type(slow).model_validate({**old, "status": "n/a", "passed": True})
+    # a reported number has op "report" and status "reported", and nothing else has either
+    with pytest.raises(ValueError, match="op report"):
+        type(slow).model_validate({**old, "op": "report"})
+    with pytest.raises(ValueError, match="status reported"):
+        type(slow).model_validate({**old, "status": "reported"})
 
 
 # --- trainer in the loop (deltastore bench --mode trainer) ---------------------------------

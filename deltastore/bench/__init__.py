@@ -1,7 +1,7 @@
 """The benchmark (benchmarks/README.md): deltastore side by side with the strongest dense
 safetensors load, COO and xor-dense baselines (and the old naive dense load, reported only)
-on versions of a synthetic model made by real AdamW steps, with the publish, receiver and
-pause floors measured in the same run.
+on versions of a synthetic model made by real AdamW steps, with the publish, receiver, pause,
+memory and XOR entropy floors measured in the same run.
 
 ``deltastore bench`` runs :func:`run_bench`; :func:`performance_doc` (``python -m
 deltastore.bench.report RESULTS.json --performance-doc docs/performance.md``) writes the
