@@ -107,7 +107,8 @@ def test_a_tiny_sweep_writes_a_consistent_result(tmp_path: Path) -> None:
     assert res.versions_per_point == 2 and res.warmup_versions == WARMUP and not res.bars
     [store] = res.stores
     assert store.store == "local" and store.link is None and store.exact
-    assert store.dense.versions == [2, 3] and len(store.dense.sync_s) == 2
+    assert store.dense.runs == 2 and store.dense.versions == [2, 3, 2, 3]  # before and after
+    assert len(store.dense.sync_s) == 4
     assert store.dense.median_s == store.dense.methods[store.dense.method]
     assert store.dense.median_s == min(store.dense.methods.values())
     assert [p.lr for p in store.points] == res.lrs

@@ -14,10 +14,10 @@ buffers as the transfer bench's workload is.
 Per store, in worker processes of their own (:mod:`deltastore.bench.worker`, the transfer
 bench's systems): deltastore publishes the whole chain (one anchor, untimed) and one
 subscriber syncs it, told each version; the strongest dense load (``dense``: every load method
-on every version, the fastest by median) is measured once, on the first point's versions, since
-it moves the whole model whatever the density. Per point: the median of deltastore's syncs and
-``ratio`` = dense median / that; the crossover (:func:`crossing`) is interpolated log-log
-between the two points where the ratio crosses 1.
+on every version, the fastest by median) runs on the first point's versions, since it moves
+the whole model whatever the density: once before deltastore and once after, pooled. Per
+point: the median of deltastore's syncs and ``ratio`` = dense median / that; the crossover
+(:func:`crossing`) is interpolated log-log between the two points where the ratio crosses 1.
 
 Not thread-safe; the bench process holds no model while the workers run.
 """
@@ -287,23 +287,24 @@ def _workers(system: str, store: BenchStore, wl: Workload) -> tuple[PublishRun, 
     return pub, sub
 
 
-def _dense(store: BenchStore, wl: Workload, log: Log) -> DenseLoad:
-    pub, sub = _workers("dense", store, wl)
-    methods = method_results([s for s in sub.samples if s.version > WARMUP])
+def _dense(runs: Sequence[tuple[PublishRun, SyncRun]]) -> DenseLoad:
+    """The dense load of every run pooled (the warm-up versions left out)."""
+    syncs = [s for _, sub in runs for s in sub.samples]
+    methods = method_results([s for s in syncs if s.version > WARMUP])
     best = fastest(methods)
     kept = methods[best]
-    out = DenseLoad(
+    return DenseLoad(
         method=best,
         median_s=kept.median.total_s,
         methods={name: m.median.total_s for name, m in methods.items()},
+        runs=len(runs),
         versions=[s.version for s in kept.sync],
         sync_s=[s.times.total_s for s in kept.sync],
-        publish_median_s=statistics.median(s.times.total_s for s in pub.samples),
-        exact=all(s.exact for s in sub.samples),
+        publish_median_s=statistics.median(
+            s.times.total_s for pub, _ in runs for s in pub.samples if s.version > WARMUP
+        ),
+        exact=all(s.exact for s in syncs),
     )
-    each = ", ".join(f"{name} {t:.3f}" for name, t in out.methods.items())
-    log(f"  [{store.label}] dense: median sync {each} s; strongest {best}")
-    return out
 
 
 def _points(
@@ -346,9 +347,14 @@ def run_store(
     store: BenchStore, chain: Workload, lrs: Sequence[float], per: int, log: Log
 ) -> StoreCrossover:
     """The sweep through one store: dense on the first point's versions, deltastore on the
-    whole chain, the points and the crossover."""
-    dense = _dense(store, dense_slice(chain, per), log)
+    whole chain, dense again (its runs bracket deltastore's in time: the pooled median is
+    less at the mercy of a busy machine), the points and the crossover."""
+    part = dense_slice(chain, per)
+    before = _workers("dense", store, part)
     pub, sub = _workers("deltastore", store, chain)
+    dense = _dense([before, _workers("dense", store, part)])
+    each = ", ".join(f"{name} {t:.3f}" for name, t in dense.methods.items())
+    log(f"  [{store.label}] dense: median sync {each} s; strongest {dense.method}")
     points = _points(chain, lrs, per, pub, sub, dense.median_s)
     for p in points:
         log(

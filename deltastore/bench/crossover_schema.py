@@ -56,13 +56,16 @@ class DensityPoint(_Model):
 
 class DenseLoad(_Model):
     """The strongest dense load through one store (``dense`` of the transfer bench: every
-    load method timed on every version, the one with the lowest median kept), measured once
-    per store on the first point's versions: it moves the whole model whatever the density.
-    ``methods``: every method's median sync (s); ``sync_s``: the kept method's syncs."""
+    load method timed on every version, the one with the lowest median kept), on the first
+    point's versions: it moves the whole model whatever the density. ``runs`` runs per store
+    (each a publisher and a subscriber process), one before deltastore's and one after, their
+    samples pooled. ``methods``: every method's median sync (s); ``versions``, ``sync_s``: the
+    kept method's syncs, run after run."""
 
     method: str
     median_s: float
     methods: dict[str, float]
+    runs: int
     versions: list[int]
     sync_s: list[float]
     publish_median_s: float
