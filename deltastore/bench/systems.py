@@ -35,6 +35,7 @@ from deltastore.bench.schema import PublishTimes, SyncTimes
 from deltastore.bench.workload import Workload
 from deltastore.publish.publisher import Publisher
 from deltastore.store import Store
+from deltastore.sync.priority import Priority
 from deltastore.sync.subscriber import Subscriber
 
 #: A little-endian u64 length (the packed blobs' header length, safetensors' too).
@@ -136,7 +137,11 @@ SUBSCRIBER_WORKERS = 4
 
 
 class DeltastoreReceiver(Receiver):
+    """deltastore's subscriber; ``priority``: its worker threads' (0: unchanged; the serving
+    replay runs at the engines' default, :data:`~deltastore.sync.priority.DEFAULT_PRIORITY`)."""
+
     method = "Subscriber.sync"
+    priority: Priority = 0
 
     def start(self) -> None:
         self.sub = Subscriber(
@@ -144,8 +149,14 @@ class DeltastoreReceiver(Receiver):
             tensors=self.wl.tensors(self.flat),
             version=0,
             max_workers=SUBSCRIBER_WORKERS,
+            priority=self.priority,
         )
         self.sub.verify()  # the O(model) check of tensors handed over with a version
+        # the decode kernel's code is loaded here, in the set-up, as an engine loads it at
+        # attach (0.2 s from numba's cache), not in the first timed sync
+        from deltastore.kernels.apply import warm
+
+        warm()
 
     def sync(self, version: int, method: str | None = None) -> SyncTimes:
         t0 = time.perf_counter()

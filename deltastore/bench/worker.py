@@ -62,6 +62,7 @@ from deltastore.bench.systems import (
 from deltastore.bench.workload import Workload
 from deltastore.store import open_store
 from deltastore.store.counting import CountingStore, critical_path
+from deltastore.sync.priority import DEFAULT_PRIORITY
 
 SENDERS: dict[str, type[Sender]] = {
     "deltastore": DeltastoreSender,
@@ -216,6 +217,7 @@ def run_subscriber(task: Task) -> SyncRun:
     if task.serving and isinstance(receiver, DeltastoreReceiver):
         wl.read_into(0, flat)
         replay = DeltastoreReceiver(store, wl, flat)
+        replay.priority = DEFAULT_PRIORITY  # as an engine's background sync runs
         replay.start()
         out.serving = serving.measure(replay.sync, range(1, wl.files))
     if task.floors:
