@@ -104,7 +104,7 @@ def test_a_tiny_sweep_writes_a_consistent_result(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["mode"] == "crossover"
     assert res.exact and res.size == "tiny" and res.lrs == [1e-7, 3e-5]
     assert res.elements == SIZES["tiny"].numel() and res.dense_bytes == 2 * res.elements
-    assert res.versions_per_point == 2 and res.warmup_versions == WARMUP and not res.bars
+    assert res.versions_per_point == 2 and res.warmup_versions == WARMUP
     [store] = res.stores
     assert store.store == "local" and store.link is None and store.exact
     assert store.dense.runs == 2 and store.dense.versions == [2, 3, 2, 3]  # before and after
@@ -122,12 +122,15 @@ def test_a_tiny_sweep_writes_a_consistent_result(tmp_path: Path) -> None:
     assert store.points[0].density < 0.01 < 0.05 < store.points[1].density
     want = crossing([p.density for p in store.points], [p.ratio for p in store.points])
     assert store.crossover == want
-    [c] = res.checks
-    assert (c.name, c.store, c.measured, c.status) == (
+    [c] = res.bars  # a reported check, no bar
+    assert (c.name, c.store, c.measured, c.op, c.status, c.passed) == (
         "crossover density",
         "local",
         want.density,
-        want.status,
+        "report",
+        "reported",
+        False,
     )
+    assert (want.status in c.what) == (want.density is None)
     report = md.read_text()
     assert "### local" in report and "Crossover:" in report and report in result.output

@@ -50,12 +50,11 @@ from deltastore.bench.crossover_schema import (
     CrossoverResult,
     DenseLoad,
     DensityPoint,
-    ReportedCheck,
     StoreCrossover,
 )
 from deltastore.bench.ops import Differ, load_average, stderr_log
 from deltastore.bench.runner import BenchStore, StoreUnavailable, machine_info, open_bench_store
-from deltastore.bench.schema import LinkInfo
+from deltastore.bench.schema import BarCheck, LinkInfo
 from deltastore.bench.worker import PublishRun, SyncRun, Task, spawn
 from deltastore.bench.workload import (
     INDEX,
@@ -258,15 +257,20 @@ def crossing(densities: Sequence[float], ratios: Sequence[float]) -> Crossing:
     return Crossing(status="above the sweep", density=None, between=None, sign_changes=changes)
 
 
-def check(store: str, cross: Crossing) -> ReportedCheck:
-    """The reported ``crossover density`` of one store (no bar)."""
-    return ReportedCheck(
+def check(store: str, cross: Crossing) -> BarCheck:
+    """The ``crossover density`` of one store, a reported check (op ``report``, status
+    ``reported``: no bar); ``measured`` None outside the sweep, ``what`` says which side."""
+    side = "" if cross.density is not None else f"; {cross.status}"
+    return BarCheck(
         name="crossover density",
         store=store,
         measured=cross.density,
-        status=cross.status,
+        op="report",
+        threshold=0.0,
+        passed=False,
         what="changed / elements below which deltastore's median sync beats the strongest "
-        "dense load's median (log-log interpolation of dense / deltastore across 1)",
+        f"dense load's median (log-log interpolation of dense / deltastore across 1){side}",
+        status="reported",
     )
 
 
@@ -437,7 +441,7 @@ def run_crossover(options: CrossoverOptions) -> CrossoverResult:
         generated_now=generated,
         generate_s=chain.index.generate_s,
         stores=stores,
-        checks=[check(s.store, s.crossover) for s in stores],
+        bars=[check(s.store, s.crossover) for s in stores],
         exact=all(s.exact for s in stores),
         skipped=skipped,
         load_average=[load_start, load_average()],
@@ -496,9 +500,14 @@ def crossover_markdown(result: CrossoverResult) -> str:
             )
         lines.append("")
     lines += [
-        f"- {c.name} [{c.store}]: "
-        + (f"{100 * c.measured:.3f}% changed" if c.measured is not None else c.status)
-        for c in result.checks
+        f"- {s.store}: crossover density "
+        + (
+            f"{100 * s.crossover.density:.3f}% changed"
+            if s.crossover.density is not None
+            else s.crossover.status
+        )
+        + " (reported, no bar)"
+        for s in result.stores
     ]
     lines += [f"- skipped: {s}" for s in result.skipped]
     return "\n".join(lines) + "\n"

@@ -104,17 +104,6 @@ class StoreCrossover(_Model):
     exact: bool
 
 
-class ReportedCheck(_Model):
-    """A number the run reports without a bar: ``crossover density`` per store, ``measured``
-    the interpolated density (None when outside the sweep, ``status`` says which side)."""
-
-    name: str
-    store: str
-    measured: float | None
-    status: CrossingStatus
-    what: str
-
-
 class CrossoverResult(_Model):
     """The whole run (``deltastore bench --mode crossover --json``).
 
@@ -123,7 +112,8 @@ class CrossoverResult(_Model):
     ``warmup_versions`` steps at the first learning rate (synced by every worker, counted in
     no median: a worker's first sync pays one-off costs), then ``versions_per_point`` AdamW
     steps at each of ``lrs`` in turn; ``folder`` caches it.
-    ``bars`` is always empty (this mode has no bar), ``checks`` the reported crossovers.
+    ``bars``: per store the reported check ``crossover density`` (op ``report``, status
+    ``reported``: this mode has no bar; ``measured`` None outside the sweep).
     ``exact``: every receiver, deltastore's and dense's, bit-exact at every version."""
 
     mode: Literal["crossover"] = "crossover"
@@ -142,8 +132,7 @@ class CrossoverResult(_Model):
     generated_now: bool
     generate_s: float
     stores: list[StoreCrossover]
-    checks: list[ReportedCheck]
-    bars: list[BarCheck] = []
+    bars: list[BarCheck]
     exact: bool
     skipped: list[str]
     load_average: list[float] = []
