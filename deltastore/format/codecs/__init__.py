@@ -375,6 +375,12 @@ class FrameDecoder:
         (:mod:`deltastore.kernels.apply`)."""
         return self._v2.sparse2_content(data, n, size, changed)
 
+    def sparse2_precheck(self, data: bytes | memoryview, n: int, size: int, changed: int) -> int:
+        """The declared content size of a stored ``xor-sparse2`` frame, checked as far as its
+        zstd frame header allows, nothing decompressed: what a native decoder that
+        decompresses the frame itself checks first (:mod:`deltastore.kernels.batch`)."""
+        return self._v2.sparse2_precheck(data, n, size, changed)
+
     def into(self, data: bytes, out: np.ndarray) -> None:
         """Decode a ``raw``/``xor-dense`` frame into ``out`` (contiguous, exactly its size)."""
         view = out.reshape(-1).view(np.uint8).data

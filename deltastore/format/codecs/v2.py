@@ -465,6 +465,22 @@ class FrameDecoder2:
         declared content size possible for them (before anything is decompressed), the
         header, ``k == changed`` and the content's exact length; :class:`FrameError`
         otherwise. The positions and masks are still to be checked by whoever decodes them."""
+        content = self.sparse2_precheck(data, n, size, changed)
+        raw = self.decompress_exact(data, content, XOR_SPARSE2)
+        k, e, low_bits = read_header(raw, n, XOR_SPARSE2)
+        if k != changed or len(raw) != sparse2_size(k, size, low_bits, e):
+            raise FrameError(
+                f"xor-sparse2 frame holds {k} changes in {len(raw)} bytes; "
+                f"its manifest entry declares {changed}"
+            )
+        return raw, k, e, low_bits
+
+    def sparse2_precheck(self, data: bytes | memoryview, n: int, size: int, changed: int) -> int:
+        """The declared content size of a stored ``xor-sparse2`` frame, after every check of
+        :meth:`sparse2_content` that needs only its zstd frame header (``n`` and ``changed``
+        in range, the size within the frame's bounds and possible for ``changed`` changes,
+        no dictionary, the window limit, exactly one zstd frame); :class:`FrameError`
+        otherwise. Nothing is decompressed."""
         if not 1 <= n <= MAX_SPARSE2_ELEMENTS or not 0 <= changed <= n:
             raise FrameError(
                 f"an xor-sparse2 frame covers 1 to 2^32 - 1 elements with at most as many "
@@ -477,14 +493,7 @@ class FrameDecoder2:
                 f"xor-sparse2 zstd frame declares {content} content bytes, not a size an "
                 f"xor-sparse2 frame of {changed} changes can have"
             )
-        raw = self.decompress_exact(data, content, XOR_SPARSE2)
-        k, e, low_bits = read_header(raw, n, XOR_SPARSE2)
-        if k != changed or len(raw) != sparse2_size(k, size, low_bits, e):
-            raise FrameError(
-                f"xor-sparse2 frame holds {k} changes in {len(raw)} bytes; "
-                f"its manifest entry declares {changed}"
-            )
-        return raw, k, e, low_bits
+        return content
 
     def decompress_exact(self, data: bytes, content: int, codec: str) -> bytes:
         """The content of a frame whose declared ``content`` size was checked (by
