@@ -438,7 +438,7 @@ class FrameDecoder2:
         self._dctx = zstandard.ZstdDecompressor(max_window_size=max_window_size)
         self._chunk = np.empty(-(-CHUNK_BYTES // 8) * 8, dtype=np.uint8)
 
-    def content_size(self, data: bytes, lo: int, hi: int, codec: str) -> int:
+    def content_size(self, data: bytes | memoryview, lo: int, hi: int, codec: str) -> int:
         """The frame's declared content size, after the checks of spec sections 8.1 and 8.3
         against the content bounds ``[lo, hi]`` its manifest entry implies (before anything is
         decompressed); :class:`FrameError` otherwise."""

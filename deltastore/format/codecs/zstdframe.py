@@ -30,7 +30,7 @@ def one_shot(cctx: zstandard.ZstdCompressor, data: Any) -> bytes:
     return bytes(memoryview(out)) if 2 * len(out) < memoryview(data).nbytes else out
 
 
-def frame_length(data: bytes) -> int:
+def frame_length(data: bytes | memoryview) -> int:
     """Bytes of the zstd frame at the start of ``data``, by walking its block headers."""
     try:
         pos = int(zstandard.frame_header_size(data))
@@ -49,7 +49,9 @@ def frame_length(data: bytes) -> int:
             return pos + (4 if has_checksum else 0)
 
 
-def content_size(data: bytes, lo: int, hi: int, max_window: int, codec: str = "") -> int:
+def content_size(
+    data: bytes | memoryview, lo: int, hi: int, max_window: int, codec: str = ""
+) -> int:
     """The content size a stored frame's zstd header declares, after the checks every codec
     shares (spec sections 8.1 and 8.3), all before anything is decompressed: the size is
     declared and within ``[lo, hi]`` (the bound its manifest entry implies), no dictionary,
