@@ -1,9 +1,17 @@
 """The publisher's per-frame work: detect the changed words, checksum, encode; on a small pool.
 
-Frames are independent, and numpy's comparisons and zstd release the GIL, so
-:class:`FrameEncoders` runs them on ``workers`` threads (each with its own zstd context and
-comparison buffer) and yields the results in frame order with a bounded lookahead, while the
+Frames are independent, and the native kernels, numpy's comparisons and zstd release the GIL,
+so :class:`FrameEncoders` runs them on ``workers`` threads (each with its own zstd context and
+scratch buffers) and yields the results in frame order with a bounded lookahead, while the
 caller packs and uploads. Thread-safe in that sense only: one caller thread per instance.
+
+By default (:data:`NATIVE`) a frame is detected, checksummed and laid out for ``xor-sparse2``
+by the numba kernels of :mod:`deltastore.kernels.detect` (one pass over the frame's words,
+then O(changed); imported on the first frame with a parent, so that ``import deltastore``
+does not import numba); ``FrameEncoders(..., native=False)`` runs the numpy reference
+(:func:`_find`, :func:`~deltastore.format.checksum.delta_sums`,
+:func:`~deltastore.format.codecs.v2.position_sections`), which makes the same frames, bit for
+bit.
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ from deltastore.format.codecs.v2 import V1_MAX_CHANGES
 from deltastore.format.manifest import Frame
 from deltastore.publish.snapshot import BITMAP_DENSITY, FrameChange, HeldFrame
 
+#: Whether :class:`FrameEncoders` runs the native kernels by default (else the numpy
+#: reference; the same frames either way).
+NATIVE = True
 #: At most 1/this of the words of a publish are encoded at once (:meth:`FrameEncoders.map`).
 ENCODE_SHARE = 4
 #: Elements per step when a frame is compared and its changes gathered (:func:`_changes`).
@@ -101,10 +112,14 @@ class Encoded:
 
 class FrameEncoders:
     """Runs :class:`FrameJob` s on ``workers`` threads at zstd ``level`` (None: each codec's
-    default), writing the codecs of ``codecs``."""
+    default), writing the codecs of ``codecs``; ``native`` (default :data:`NATIVE`): detect
+    and lay out with the numba kernels, else the numpy reference."""
 
-    def __init__(self, level: int | None, workers: int, codecs: CodecSet = "v2") -> None:
+    def __init__(
+        self, level: int | None, workers: int, codecs: CodecSet = "v2", native: bool | None = None
+    ) -> None:
         self._level, self._workers, self._codecs = level, workers, codecs
+        self._native = NATIVE if native is None else native
         self._local = threading.local()
 
     def _encoder(self) -> FrameEncoder:
@@ -144,6 +159,8 @@ class FrameEncoders:
             return Encoded(
                 new.size, adler32(new), codec, data, digest, None, 0.0, time.perf_counter() - t0
             )
+        if self._native:
+            return self._encode_native(job, old, new, t0)
         change = _find(self._scan, old, new)
         k = 0 if change is None else int(change.masks.size)
         t1 = time.perf_counter()
@@ -171,6 +188,39 @@ class FrameEncoders:
             del positions, masks
         digest = xxhash.xxh3_64_hexdigest(data)
         kept = None if change is None else change.held()  # no positions, packed masks
+        return Encoded(k, value, codec, data, digest, kept, t1 - t0, time.perf_counter() - t1)
+
+    def _encode_native(self, job: FrameJob, old: np.ndarray, new: np.ndarray, t0: float) -> Encoded:
+        """:meth:`_encode` of a frame with a parent by the kernels: the changes, their
+        Adler-32 sums and (``"v2"``) the ``xor-sparse2`` sections without numpy's passes."""
+        from deltastore.kernels import detect as kernels  # numba: imported on first use
+
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = kernels.Scratch()
+        found = kernels.find(old, new, scratch)
+        positions, masks = found.positions, found.masks
+        k, n = int(positions.size), int(new.size)
+        t1 = time.perf_counter()
+        parent_adler = job.parent_adler
+        if not (job.delta and parent_adler is not None):  # the new words, and the changes
+            value = adler32(new)
+            codec, data = self._encoder().new_words(new)
+        elif not k:  # unchanged: nothing stored
+            return Encoded(0, parent_adler, RAW, None, "", None, t1 - t0, 0.0)
+        else:
+            value = apply_delta(parent_adler, found.da, found.db)
+            enc = self._encoder()
+            sections = kernels.sparse2_sections(positions, masks) if enc.codecs == "v2" else None
+            # xor-sparse (tried on a few changes) wants int64 positions
+            given = positions.astype(np.int64) if k <= V1_MAX_CHANGES else positions
+            codec, data = enc.encode_delta(old, new, given, masks=masks, sparse2=sections)
+            del sections, given
+        digest = xxhash.xxh3_64_hexdigest(data)
+        kept = None
+        if k:
+            where = kernels.bitmap(positions, n) if k * BITMAP_DENSITY > n else positions
+            kept = FrameChange(n, where, masks, where is not positions).held()
         return Encoded(k, value, codec, data, digest, kept, t1 - t0, time.perf_counter() - t1)
 
     def encoder(self) -> FrameEncoder:
@@ -309,4 +359,4 @@ def _changes(buf: np.ndarray, old: np.ndarray, new: np.ndarray, k: int) -> Frame
     return FrameChange(n, positions if bits is None else bits, masks, bits is not None, positions)
 
 
-__all__ = ["Encoded", "FrameEncoders", "FrameJob", "FullFrame"]
+__all__ = ["NATIVE", "Encoded", "FrameEncoders", "FrameJob", "FullFrame"]

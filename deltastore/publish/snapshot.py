@@ -142,8 +142,22 @@ class HeldFrame:
         """The uint32 positions of the changes."""
         return _positions(self.where, self.n, self.bitmap)
 
-    def apply(self, words: np.ndarray) -> None:
-        """XOR the masks into ``words`` (the frame's ``n`` held words, in place)."""
+    def apply(self, words: np.ndarray, *, native: bool = True) -> None:
+        """XOR the masks into ``words`` (the frame's ``n`` held words, in place): by the
+        kernel :func:`deltastore.kernels.detect.xor_scatter` (one pass over the changes, the
+        masks unpacked on the way) where ``words`` is 1-D and contiguous and ``native``,
+        else by numpy (the reference; the same words)."""
+        if native and words.ndim == 1 and words.flags.c_contiguous and words.flags.writeable:
+            from deltastore.kernels import detect as kernels  # numba: imported on first use
+
+            k = int(self.masks.low.size if isinstance(self.masks, PackedMasks) else self.masks.size)
+            at = kernels.bitmap_positions(self.where, self.n, k) if self.bitmap else self.where
+            if isinstance(self.masks, PackedMasks):
+                m = self.masks
+                kernels.xor_scatter(words, at, packed=(m.low, m.at, m.high))
+            else:
+                kernels.xor_scatter(words, at, self.masks)
+            return
         masks = self.masks.masks() if isinstance(self.masks, PackedMasks) else self.masks
         words[_unpacked(self.where, self.n) if self.bitmap else self.where] ^= masks
 

@@ -49,7 +49,7 @@ buffers; use one instance per thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final, Literal
@@ -249,11 +249,14 @@ class FrameEncoder:
         positions: np.ndarray,
         *,
         masks: np.ndarray | None = None,
+        sparse2: Sequence[bytes | memoryview] | None = None,
     ) -> tuple[Codec, bytes]:
         """Pick the smallest encoding of a changed frame.
 
         ``old``/``new`` are the frame's words, ``positions`` the frame-local indices where they
         differ (non-empty), ``masks`` (optional, computed if None) ``old ^ new`` there.
+        ``sparse2`` (``"v2"``, optional): their ``xor-sparse2`` content, already cut into
+        sections (:meth:`FrameEncoder2.xor_sparse2_sections`): the same frame, made faster.
         ``"v1"``: ``xor-sparse`` is always tried; ``xor-dense`` and ``raw`` only when more than
         1/16 of the elements changed, where they can win. ``"v2"``: ``xor-sparse2`` always,
         ``xor-sparse`` for at most :data:`~deltastore.format.codecs.v2.V1_MAX_CHANGES`
@@ -285,7 +288,8 @@ class FrameEncoder:
         if v2 is None:
             best = _smaller(best, (0, XOR_SPARSE, self.xor_sparse(positions, masks)))
         else:
-            best = _smaller(best, (0, XOR_SPARSE2, v2.xor_sparse2(positions, masks)))
+            got = v2.xor_sparse2_sections(sparse2, count) if sparse2 else None
+            best = _smaller(best, (0, XOR_SPARSE2, got or v2.xor_sparse2(positions, masks)))
             if count <= V1_MAX_CHANGES:
                 best = _smaller(best, (1, XOR_SPARSE, self.xor_sparse(positions, masks)))
         assert best is not None
