@@ -59,9 +59,16 @@ def frames(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
     new = old.copy()
     if n:
         pos = changed(n, size, shape, rng)
-        small = draw(st.booleans())  # low bits only (masks that pack) or any bits
-        hi = min(top, 255) if small else top
-        new[pos] ^= rng.integers(1, hi, size=pos.size, dtype=dt, endpoint=True)
+        # low bits only, a few with high bits (masks that pack, with high parts) or any bits
+        kind = draw(st.sampled_from(["low", "few-high", "any"]))
+        hi = top if kind == "any" else min(top, 255)
+        masks = rng.integers(1, hi, size=pos.size, dtype=dt, endpoint=True)
+        if kind == "few-high" and size > 1:
+            few = rng.random(pos.size) < 0.05
+            masks[few] |= (
+                rng.integers(1, top >> 8, size=int(few.sum()), dtype=dt, endpoint=True) << 8
+            )
+        new[pos] ^= masks
     return old, new
 
 
@@ -101,7 +108,11 @@ def test_find_sections_and_scatter_are_the_reference(frame: tuple[np.ndarray, np
     detect.xor_scatter(words, found.positions, found.masks)
     assert np.array_equal(words, new)
     packed = PackedMasks.of(found.masks)
-    if packed is not None:
+    native = detect.pack_masks(found.masks)
+    assert (native is None) == (packed is None)
+    if packed is not None and native is not None:
+        for got, want in zip(native, (packed.low, packed.at, packed.high), strict=True):
+            assert got.dtype == want.dtype and np.array_equal(got, want)
         words = old.copy()
         detect.xor_scatter(words, found.positions, packed=(packed.low, packed.at, packed.high))
         assert np.array_equal(words, new)
@@ -136,6 +147,10 @@ def test_native_frames_are_the_reference_frames(
         return
     assert got.change is not None
     assert np.array_equal(got.change.positions(), want.change.positions())
+    gm, wm = got.change.masks, want.change.masks  # packed alike (low bytes, high parts)
+    assert type(gm) is type(wm)
+    if isinstance(gm, PackedMasks) and isinstance(wm, PackedMasks):
+        assert np.array_equal(gm.masks(), wm.masks()) and gm.nbytes == wm.nbytes
     for native in (True, False):
         words = old.copy()
         got.change.apply(words, native=native)

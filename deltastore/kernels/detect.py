@@ -31,7 +31,6 @@ distinct outputs; a :class:`Scratch` belongs to one thread.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +54,6 @@ BLOCK = 64
 #: beyond, the frame is dense: the rest is counted and the changes go to exact-size arrays.
 SCRATCH_SHARE = 16
 
-_HEADER = struct.Struct("<IIB3s")
 #: LLVM's ``cttz`` (numba's intrinsic): the index of the lowest set bit of a non-zero word.
 trailing_zeros: Any = _trailing_zeros
 
@@ -264,6 +262,52 @@ def _fill_sparse2(
 
 
 @numba.njit(cache=True, nogil=True)
+def _sparse2(pos: np.ndarray, masks: np.ndarray, low_bits: int) -> np.ndarray:
+    """The decompressed ``xor-sparse2`` content of the changes (``pos``, ``masks``) with
+    ``L = low_bits``: the escapes counted (:func:`_escapes`), the buffer made, its header
+    ``<u32 k><u32 e><u8 L><3 zero bytes>`` and sections written (:func:`_fill_sparse2`)."""
+    k = pos.size
+    width = (low_bits + 7) // 8
+    e = _escapes(pos, low_bits)
+    out = np.empty(SPARSE2_HEADER + k * (1 + width + masks.itemsize) + 4 * e, dtype=np.uint8)
+    for b in range(4):
+        out[b] = (k >> (8 * b)) & 255
+        out[4 + b] = (e >> (8 * b)) & 255
+    out[8] = low_bits
+    out[9] = 0
+    out[10] = 0
+    out[11] = 0
+    _fill_sparse2(pos, masks, low_bits, width, e, out)
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _pack(masks: np.ndarray) -> tuple[bool, np.ndarray, np.ndarray, np.ndarray]:
+    """``masks`` (of 2 bytes or more) packed as ``PackedMasks.of`` packs them: ``(packed,
+    low, at, high)``; ``packed`` False (and empty arrays) where that would not be smaller."""
+    k = masks.size
+    size = masks.itemsize
+    count = 0
+    for i in range(k):
+        count += (masks[i] >> 8) != 0
+    if count * (4 + size) + k >= k * size:
+        return False, np.empty(0, np.uint8), np.empty(0, np.uint32), masks[:0].copy()
+    low = np.empty(k, np.uint8)
+    at = np.empty(count, np.uint32)
+    high = np.empty(count, masks.dtype)
+    j = 0
+    for i in range(k):
+        m = masks[i]
+        low[i] = m & 255
+        h = m >> 8
+        if h != 0:
+            at[j] = i
+            high[j] = h
+            j += 1
+    return True, low, at, high
+
+
+@numba.njit(cache=True, nogil=True)
 def _xor_at(words: np.ndarray, pos: np.ndarray, masks: np.ndarray) -> None:
     """``words[pos[i]] ^= masks[i]`` for every ``i``."""
     for i in range(pos.size):
@@ -274,11 +318,15 @@ def _xor_at(words: np.ndarray, pos: np.ndarray, masks: np.ndarray) -> None:
 def _xor_at_packed(
     words: np.ndarray, pos: np.ndarray, low: np.ndarray, at: np.ndarray, high: np.ndarray
 ) -> None:
-    """``words[pos[i]] ^= low[i]``, then ``words[pos[at[j]]] ^= high[j] << 8``."""
+    """``words[pos[i]] ^= low[i] | (high[j] << 8)`` where ``at[j] == i`` (``at`` ascending),
+    else ``^= low[i]``: one pass over the positions."""
+    j = 0
     for i in range(pos.size):
-        words[pos[i]] ^= low[i]
-    for j in range(at.size):
-        words[pos[at[j]]] ^= high[j] << 8
+        m = words.dtype.type(low[i])
+        if j < at.size and at[j] == i:
+            m |= words.dtype.type(high[j]) << 8
+            j += 1
+        words[pos[i]] ^= m
 
 
 @numba.njit(cache=True, nogil=True)
@@ -388,10 +436,8 @@ def sparse2_sections(positions: np.ndarray, masks: np.ndarray) -> list[memoryvie
     low_bits = choose_low_bits(k, int(positions[-1]) + 1)
     width = (low_bits + 7) // 8
     size = masks.dtype.itemsize
-    e = int(_escapes(positions, low_bits))
-    out = np.empty(SPARSE2_HEADER + k * (1 + width + size) + 4 * e, dtype=np.uint8)
-    out[:SPARSE2_HEADER] = np.frombuffer(_HEADER.pack(k, e, low_bits, b"\0\0\0"), np.uint8)
-    _fill_sparse2(positions, _unsigned(masks), low_bits, width, e, out)
+    out = _sparse2(positions, _unsigned(masks), low_bits)
+    e = (out.size - SPARSE2_HEADER - k * (1 + width + size)) // 4
     view = out.data
     cuts = [SPARSE2_HEADER + k] + [k] * width + ([e] * 4 if e else []) + [k] * size
     sections = []
@@ -400,6 +446,18 @@ def sparse2_sections(positions: np.ndarray, masks: np.ndarray) -> list[memoryvie
         sections.append(view[at : at + length])
         at += length
     return sections
+
+
+def pack_masks(masks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(low, at, high)`` of :class:`deltastore.publish.snapshot.PackedMasks` for unsigned
+    ``masks``: the low bytes (uint8, one per mask), the indexes (uint32) of the masks with
+    higher bits and those bits shifted right by 8 (the masks' dtype); None where that is not
+    smaller than the masks (words of one byte, no mask), as ``PackedMasks.of`` decides. One
+    pass to count, one to fill."""
+    if masks.dtype.itemsize < 2 or not masks.size:
+        return None
+    packed, low, at, high = _pack(_unsigned(masks))
+    return (low, at, high.view(masks.dtype)) if packed else None
 
 
 def bitmap(positions: np.ndarray, n: int) -> np.ndarray:
@@ -448,6 +506,7 @@ __all__ = [
     "bitmap",
     "bitmap_positions",
     "find",
+    "pack_masks",
     "sparse2_sections",
     "xor_scatter",
 ]

@@ -31,7 +31,7 @@ from deltastore.format.checksum import adler32, apply_delta, delta_sums
 from deltastore.format.codecs import NEW_WORDS_CODECS, RAW, Codec, CodecSet, FrameEncoder
 from deltastore.format.codecs.v2 import V1_MAX_CHANGES
 from deltastore.format.manifest import Frame
-from deltastore.publish.snapshot import BITMAP_DENSITY, FrameChange, HeldFrame
+from deltastore.publish.snapshot import BITMAP_DENSITY, FrameChange, HeldFrame, PackedMasks
 
 #: Whether :class:`FrameEncoders` runs the native kernels by default (else the numpy
 #: reference; the same frames either way).
@@ -218,9 +218,11 @@ class FrameEncoders:
             del sections, given
         digest = xxhash.xxh3_64_hexdigest(data)
         kept = None
-        if k:
+        if k:  # as FrameChange.held() keeps them
             where = kernels.bitmap(positions, n) if k * BITMAP_DENSITY > n else positions
-            kept = FrameChange(n, where, masks, where is not positions).held()
+            packed = kernels.pack_masks(masks)
+            held = masks if packed is None else PackedMasks(*packed, masks.dtype)
+            kept = HeldFrame(n, where, held, where is not positions)
         return Encoded(k, value, codec, data, digest, kept, t1 - t0, time.perf_counter() - t1)
 
     def encoder(self) -> FrameEncoder:
