@@ -196,6 +196,16 @@ def install(point: str, n: int) -> None:
             return get_range(self, f, timer, **kw)
 
         pipeline.Fetcher.fetch = fetch  # type: ignore[method-assign]
+        buffer = pipeline.Fetcher._buffer  # a job's frames at once (the native batch path)
+
+        def buffer_(self: Any, tasks: Any, timer: Any, span: Any) -> Any:
+            got = buffer(self, tasks, timer, span)
+            for _ in tasks:  # the n-th frame's bytes, as for a frame fetched alone
+                if hit():
+                    die()
+            return got
+
+        pipeline.Fetcher._buffer = buffer_  # type: ignore[method-assign]
     elif point == "decode":  # after the n-th frame was decoded (anchors: into the files)
         # the one codec dispatch: every receiver path decodes through these two, any codec
         changes, decode_into = FrameDecoder.changes, FrameDecoder.decode_into
@@ -212,13 +222,24 @@ def install(point: str, n: int) -> None:
 
         FrameDecoder.changes = changes_  # type: ignore[method-assign]
         FrameDecoder.decode_into = decode_into_  # type: ignore[method-assign]
+        import deltastore.kernels.batch as native  # decodes a job's xor-sparse2 frames itself
+
+        stage_batch = native.stage_batch
+
+        def stage_batch_(*a: Any) -> Any:
+            got = stage_batch(*a)
+            if hit():
+                die()
+            return got
+
+        native.stage_batch = stage_batch_
     elif point == "verified":  # every frame and tensor verified, nothing written yet
         write_all = words.write_all
 
-        def write_phase(writes: Any) -> None:
+        def write_phase(writes: Any, *a: Any) -> None:
             if hit():
                 die()
-            write_all(writes)
+            write_all(writes, *a)
 
         words.write_all = write_phase
     elif point in ("write", "repair"):  # the n-th scatter (or XOR write) writes half, then dies

@@ -254,3 +254,101 @@ def test_subscriber_threads_option(tmp_path: Path) -> None:
             assert torch.equal(got[k].view(torch.int16), v.view(torch.int16))
     with pytest.raises(ValueError, match="threads"):
         Subscriber(url, threads=0)
+
+
+def _batch_case(
+    rng: np.random.Generator, sizes: list[int]
+) -> tuple[list[np.ndarray], list[FrameTask], bytes, list[int]]:
+    """Frames of ``len(sizes)`` tensors (word sizes ``sizes``), two frames each (the second a
+    dense ``xor-dense`` or ``raw`` one now and then), packed back to back in one buffer."""
+    from deltastore.format.codecs import FrameEncoder
+
+    enc, buf, offsets, tasks, tensors = FrameEncoder(codecs="v2"), b"", [], [], []
+    for t, size in enumerate(sizes):
+        wdt = np.dtype(f"<u{size}")
+        local = rng.integers(0, 2 ** (8 * size), size=6000, dtype=wdt, endpoint=False)
+        tensors.append(local)
+        for start, n in ((0, 3000), (3000, 3000)):
+            k = int(rng.integers(0, 400)) if start == 0 else int(rng.integers(0, 3000))
+            pos = np.sort(rng.choice(n, k, replace=False))
+            masks = rng.integers(1, 2 ** (8 * size), size=k, dtype=wdt, endpoint=False)
+            seg = local[start : start + n]
+            new = seg.copy()
+            new[pos] ^= masks
+            codec, data = enc.encode_delta(seg, new, pos.astype(np.uint32), masks=masks)
+            import xxhash
+
+            frame = Frame(
+                start=start, stop=start + n, codec=codec, object="versions/1/data",
+                offset=0, length=len(data), xxh3=xxhash.xxh3_64_hexdigest(data), changed=k,
+                adler32=adler32(new), parent_adler32=adler32(seg),
+            )  # fmt: skip
+            entry = TensorEntry(
+                dtype=DTYPES[size], shape=[6000], adler32=1, parent_adler32=None, changed=k,
+                frames=[frame],
+            )  # fmt: skip
+            tasks.append(FrameTask(f"t{t}", entry, frame))
+            offsets.append(len(buf))
+            buf += data
+    return tensors, tasks, buf, offsets
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.lists(st.sampled_from([1, 2, 4, 8]), min_size=1, max_size=4))
+def test_batch_matches_frame_by_frame(seed: int, sizes: list[int]) -> None:
+    """stage_batch (native runs of xor-sparse2 frames, frame by frame for the others) stages
+    what stage_frame stages, frame for frame."""
+    from deltastore.sync.stage import stage_batch
+
+    rng = np.random.default_rng(seed)
+    tensors, tasks, buf, offsets = _batch_case(rng, sizes)
+    dec = FrameDecoder()
+    locals_ = [tensors[int(t.name[1:])] for t in tasks]
+    got = stage_batch(locals_, tasks, buf, offsets, dec, True)
+    for local, task, at, staged in zip(locals_, tasks, offsets, got, strict=True):
+        data = buf[at : at + task.frame.length]
+        ref = stage_frame(local, task, data, dec, True, native=False)
+        assert staged.sums == ref.sums and staged.frame_adler == ref.frame_adler
+        if staged.update.xor and not staged.update.dense:  # positions and masks
+            assert np.array_equal(staged.update.positions, ref.update.positions)
+            assert np.array_equal(staged.update.new, ref.update.old ^ ref.update.new)
+        else:
+            assert np.array_equal(staged.update.new, ref.update.new)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_batch_errors(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Damaged stored bytes fail as the frame-by-frame path fails: an XXH3 mismatch is an
+    IntegrityError, content that does not match its manifest entry a FrameError; without
+    zstd's and xxhash's C functions the frames go frame by frame, with the same errors."""
+    from deltastore.errors import IntegrityError
+    from deltastore.kernels import clib
+    from deltastore.sync.stage import stage_batch
+
+    if not native:
+        monkeypatch.setattr(clib, "functions", lambda: None)
+    rng = np.random.default_rng(11)
+    tensors, tasks, buf, offsets = _batch_case(rng, [2, 2])
+    locals_ = [tensors[int(t.name[1:])] for t in tasks]
+    dec = FrameDecoder()
+    bad = bytearray(buf)
+    bad[offsets[1] + 8] ^= 0x40
+    with pytest.raises(IntegrityError, match="xxh3"):
+        stage_batch(locals_, tasks, bytes(bad), offsets, dec, True)
+    # the manifest says one change more than the frame holds (its XXH3 is right)
+    f = tasks[0].frame
+    wrong = f.model_copy(update={"changed": f.changed + 1})
+    entry = tasks[0].entry.model_copy(update={"frames": [wrong], "changed": f.changed + 1})
+    with pytest.raises(FrameError):
+        stage_batch(locals_, [FrameTask("t0", entry, wrong), *tasks[1:]], buf, offsets, dec, True)
+    # a frame whose tensor is not at its parent: the checksum says so, nothing is written
+    at, mask = next(  # a changed element's masked bits (what its frame checksum covers)
+        (int(s.update.positions[0]), s.update.new[0])
+        for s, t in zip(stage_batch(locals_, tasks, buf, offsets, dec, True), tasks, strict=True)
+        if t.name == "t0" and s.update.positions.size and not s.update.dense
+    )
+    tensors[0][at] ^= mask
+    before = [t.copy() for t in tensors]
+    with pytest.raises(IntegrityError, match="Adler-32"):
+        stage_batch(locals_, tasks, buf, offsets, dec, True)
+    assert all(np.array_equal(a, b) for a, b in zip(tensors, before, strict=True))

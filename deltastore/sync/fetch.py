@@ -6,13 +6,14 @@ Thread-safe: shared by the worker threads of one sync.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import xxhash
 
@@ -43,6 +44,10 @@ def cpu_slots() -> int:
 
 
 R = TypeVar("R")
+#: ``batch(tasks, buffer, offsets, decoder)`` of :meth:`Fetcher.run`: a job's results.
+BatchWork: TypeAlias = Callable[
+    [Sequence["FrameTask"], bytes, Sequence[int], FrameDecoder], Sequence[R]
+]
 
 
 @dataclass(frozen=True)
@@ -149,10 +154,17 @@ class Fetcher:
             dec = self._local.decoder = FrameDecoder()
         return dec
 
-    def fetch(self, f: Frame, timer: Timer, *, span: tuple[int, bytes] | None = None) -> bytes:
+    def fetch(
+        self,
+        f: Frame,
+        timer: Timer,
+        *,
+        span: tuple[int, bytes] | None = None,
+        check: bool = True,
+    ) -> bytes:
         """The stored bytes of ``f`` (from ``span``: bytes of its object read from offset
         ``span[0]``, when given); :class:`FrameError` if truncated, :class:`IntegrityError` if
-        the xxh3 does not match."""
+        the xxh3 does not match (``check`` False: not checked here)."""
         if span is None:
             t0 = time.perf_counter()
             data = self.store.get_range(f.object, f.offset, f.length)
@@ -164,13 +176,34 @@ class Fetcher:
                 f"{f.object}: frame at offset {f.offset} is truncated "
                 f"({len(data)} of {f.length} bytes)"
             )
-        if xxhash.xxh3_64_hexdigest(data) != f.xxh3:
-            raise IntegrityError(
-                f"{f.object}: frame at offset {f.offset} is corrupted (xxh3 mismatch): the "
-                "stored object is damaged; wait for a newer anchor, or restore the object"
-            )
+        if check:
+            check_xxh3(f, data)
         timer.add(nbytes=len(data))
         return data
+
+    def _buffer(
+        self, tasks: Sequence[FrameTask], timer: Timer, span: tuple[int, bytes] | None
+    ) -> tuple[bytes, list[int]]:
+        """The stored bytes of consecutive ``tasks`` as one buffer and each frame's offset in
+        it: the read's span (no copy), or, without one, the frames read one by one (a job of
+        one frame: its own read); :class:`FrameError` for a truncated frame."""
+        if span is None:
+            datas = [self.fetch(t.frame, timer, check=False) for t in tasks]
+            offsets = list(itertools.accumulate((len(d) for d in datas[:-1]), initial=0))
+            return datas[0] if len(datas) == 1 else b"".join(datas), offsets
+        base, buf = span
+        offsets = [t.frame.offset - base for t in tasks]
+        for t, at in zip(tasks, offsets, strict=True):
+            f = t.frame
+            if at + f.length > len(buf):
+                got = max(0, len(buf) - at)
+                raise FrameError(
+                    f"{f.object}: frame at offset {f.offset} is truncated "
+                    f"({got} of {f.length} bytes)"
+                )
+        for t in tasks:  # one frame fetched each
+            timer.add(nbytes=t.frame.length)
+        return buf, offsets
 
     def _groups(self, tasks: Sequence[FrameTask]) -> list[list[int]]:
         """Indices of consecutive tasks whose frames sit back to back in one object, fetched as
@@ -198,6 +231,8 @@ class Fetcher:
         tasks: Sequence[FrameTask],
         work: Callable[[FrameTask, bytes, FrameDecoder], R],
         timer: Timer,
+        *,
+        batch: BatchWork[R] | None = None,
     ) -> list[R]:
         """``work(task, stored_bytes, decoder)`` for every task, called on a worker thread
         with that thread's decoder; the results in task order. The first real error is raised
@@ -207,7 +242,13 @@ class Fetcher:
         read are then worked on in parallel, in jobs of consecutive frames of about
         :data:`BATCH_BYTES` stored bytes (:func:`batches`), at most :func:`cpu_slots` jobs at
         once (reads are not counted: they wait on the store). The in-flight budget counts a
-        read's bytes until its last frame is done."""
+        read's bytes until its last frame is done.
+
+        ``batch`` (optional): called instead of ``work`` with a job's frames at once, as
+        ``batch(tasks, buffer, offsets, decoder)``: frame ``i``'s stored bytes are
+        ``buffer[offsets[i]:offsets[i] + length]`` (the read's span, or the frame's own bytes),
+        their length checked, their XXH3 not yet (``batch`` checks it, as :meth:`fetch` does);
+        it returns the job's results in order."""
         budget = ByteBudget(self._max_inflight)
         slots = threading.BoundedSemaphore(min(self._workers, self._threads or cpu_slots()))
         failed = threading.Event()
@@ -215,11 +256,29 @@ class Fetcher:
         results: list[Any] = [None] * len(tasks)
         jobs: list[Future[int]] = []  # appended by read jobs, read once every read is done
 
-        def batch_job(batch: Sequence[int], span: tuple[int, bytes] | None, left: list[int]) -> int:
+        batch_work = batch
+
+        def batch_job(
+            batch_ids: Sequence[int], span: tuple[int, bytes] | None, left: list[int]
+        ) -> int:
             try:
                 with slots:
                     decoder = self._decoder()
-                    for i in batch:
+                    if batch_work is not None:
+                        if failed.is_set():
+                            raise Cancelled("skipped after an earlier frame failed")
+                        t0 = time.perf_counter()
+                        jobs_tasks = [tasks[i] for i in batch_ids]
+                        buf, offsets = self._buffer(jobs_tasks, timer, span)
+                        for i, result in zip(
+                            batch_ids, batch_work(jobs_tasks, buf, offsets, decoder), strict=True
+                        ):
+                            results[i] = result
+                        timer.add(work=time.perf_counter() - t0)
+                        for task in jobs_tasks:
+                            timer.tick(task.frame.length)
+                        return len(batch_ids)
+                    for i in batch_ids:
                         frame = tasks[i].frame
                         if failed.is_set():
                             raise Cancelled("skipped after an earlier frame failed")
@@ -227,7 +286,7 @@ class Fetcher:
                         results[i] = work(tasks[i], self.fetch(frame, timer, span=span), decoder)
                         timer.add(work=time.perf_counter() - t0)
                         timer.tick(frame.length)
-                return len(batch)
+                return len(batch_ids)
             except BaseException:
                 failed.set()
                 raise
@@ -277,6 +336,20 @@ class Fetcher:
         if sum(f.result() for f in submitted) != len(tasks):  # pragma: no cover - raised above
             raise Cancelled("not every frame was worked on")
         return results
+
+
+def check_xxh3(f: Frame, data: bytes | memoryview) -> None:
+    """Raise :class:`IntegrityError` unless ``data`` has the frame's XXH3-64."""
+    if xxhash.xxh3_64_hexdigest(data) != f.xxh3:
+        raise corrupted(f)
+
+
+def corrupted(f: Frame) -> IntegrityError:
+    """The error of a frame whose stored bytes do not have its XXH3-64."""
+    return IntegrityError(
+        f"{f.object}: frame at offset {f.offset} is corrupted (xxh3 mismatch): the "
+        "stored object is damaged; wait for a newer anchor, or restore the object"
+    )
 
 
 def batches(tasks: Sequence[FrameTask], group: Sequence[int]) -> list[list[int]]:

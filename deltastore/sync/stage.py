@@ -8,19 +8,22 @@ layout path stages received segments instead (:mod:`deltastore.sync.ranks`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from deltastore.errors import FrameError, IntegrityError, ManifestError
-from deltastore.format.checksum import adler32
+from deltastore.format.checksum import MOD, adler32
 from deltastore.format.codecs import Changes, FrameDecoder, stored_bound
 from deltastore.format.codecs.v2 import XOR_SPARSE2
+from deltastore.format.codecs.zstdframe import MAX_WINDOW_SIZE
 from deltastore.format.dtypes import itemsize, word_dtype
 from deltastore.format.manifest import Manifest
 from deltastore.sync.apply import Sums, Update, contribution, stage_at, stage_run
-from deltastore.sync.fetch import FrameTask
+from deltastore.sync.fetch import FrameTask, check_xxh3, corrupted
 from deltastore.tensors.host import Words
 from deltastore.tensors.words import host_view, narrow
 
@@ -143,6 +146,155 @@ def stage_frame(
     return Staged(update, sums, frame_adler)
 
 
+_local = threading.local()
+
+
+def stage_batch(
+    locals_: Sequence[Words],
+    tasks: Sequence[FrameTask],
+    buf: bytes,
+    offsets: Sequence[int],
+    dec: FrameDecoder,
+    delta: bool,
+) -> list[Staged]:
+    """:func:`stage_frame` of consecutive ``tasks`` (into ``locals_[i]``, their tensors'
+    words) whose stored bytes lie in ``buf`` at ``offsets`` (length checked, XXH3 not yet),
+    the same results and errors. Runs of ``xor-sparse2`` frames into host words of one word
+    size are checked, decompressed, decoded and staged in one native call each
+    (:func:`deltastore.kernels.batch.stage_batch`, GIL released once per run); other frames
+    go through :func:`stage_frame` after their XXH3 check, as do all where zstd's and
+    xxhash's C functions are not reachable (:func:`deltastore.kernels.clib.functions`)."""
+    from deltastore.kernels import clib  # numba-free: ctypes only
+
+    fns = clib.functions()
+    out: list[Staged | None] = [None] * len(tasks)
+    run: list[int] = []
+
+    def flush() -> None:
+        if run:
+            for i, staged in zip(
+                run,
+                _native_run(
+                    fns,
+                    [locals_[i] for i in run],
+                    [tasks[i] for i in run],
+                    buf,
+                    [offsets[i] for i in run],
+                    dec,
+                ),
+                strict=True,
+            ):
+                out[i] = staged
+            run.clear()
+
+    for i, task in enumerate(tasks):
+        host = host_view(locals_[i]) if fns is not None else None
+        native = host is not None and task.frame.codec == XOR_SPARSE2
+        if run and (not native or _size(tasks[run[0]]) != _size(task)):
+            flush()
+        if native:
+            run.append(i)
+            continue
+        f = task.frame
+        data = memoryview(buf)[offsets[i] : offsets[i] + f.length]
+        check_xxh3(f, data)
+        out[i] = stage_frame(locals_[i], task, bytes(data), dec, delta)
+    flush()
+    return [st for st in out if st is not None]
+
+
+def _size(task: FrameTask) -> int:
+    return itemsize(task.entry.dtype)
+
+
+def _native_run(
+    fns: Any,
+    locals_: Sequence[Words],
+    tasks: Sequence[FrameTask],
+    buf: bytes,
+    offsets: Sequence[int],
+    dec: FrameDecoder,
+) -> list[Staged]:
+    """One native call for ``tasks`` (``xor-sparse2`` frames into host words of one size)."""
+    from deltastore.kernels import apply as kernel
+    from deltastore.kernels import batch
+    from deltastore.kernels.clib import DCtx
+
+    dctx: DCtx | None = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = DCtx(fns, MAX_WINDOW_SIZE.bit_length() - 1)
+    view = memoryview(buf)
+    frames = []
+    for local, task, at in zip(locals_, tasks, offsets, strict=True):
+        f, size = task.frame, _size(task)
+        data = view[at : at + f.length]
+        try:
+            content = dec.sparse2_precheck(data, f.stop - f.start, size, f.changed)
+        except FrameError:
+            check_xxh3(f, data)  # damaged bytes: say so, as the frame-by-frame path does
+            raise
+        words = host_view(local)
+        assert words is not None
+        frames.append(
+            batch.BatchFrame(
+                at, f.length, int(f.xxh3, 16), content, f.stop - f.start, f.start, f.changed,
+                words.view(word_dtype(size)),
+            )
+        )  # fmt: skip
+    res = batch.stage_batch(buf, frames, fns, dctx)
+    if res.status != kernel.OK:
+        task = tasks[res.failed]
+        raise _problem(task, res.status)
+    out = []
+    for i, task in enumerate(tasks):
+        name, entry, f = task.name, task.entry, task.frame
+        size, n = _size(task), f.stop - f.start
+        total, jsum, psum = (int(v) for v in res.sums[i])
+        sums = Sums(total % MOD, ((entry.nbytes % MOD) * total - size * psum - jsum) % MOD)
+        if f.parent_adler32 is None:
+            raise ManifestError(f"{name}: {f.codec} frame without parent_adler32")
+        frame_adler = sums.within(n * size, f.start * size, entry.nbytes).applied_to(
+            f.parent_adler32
+        )
+        if frame_adler != f.adler32:
+            raise _mismatch(task, frame_adler)
+        a, b = int(res.offsets[i]), int(res.offsets[i + 1])
+        masks = res.masks[a:b]
+        out.append(Staged(Update(name, 0, res.positions[a:b], masks, masks, xor=True), sums,
+                          frame_adler))  # fmt: skip
+    return out
+
+
+def _problem(task: FrameTask, status: int) -> Exception:
+    """The error of a frame the batch kernel stopped at (``status``)."""
+    from deltastore.kernels import apply as kernel
+    from deltastore.kernels import batch
+
+    f = task.frame
+    where = f"{task.name}[{f.start}:{f.stop}]: {XOR_SPARSE2}"
+    if status == batch.XXH_MISMATCH:
+        return corrupted(f)
+    if status == batch.NOT_DECOMPRESSED:
+        return FrameError(f"{where} frame does not decompress to its declared content")
+    if status == batch.HEADER_INVALID:
+        return FrameError(f"{where} header is invalid")
+    if status == batch.COUNT_MISMATCH:
+        return FrameError(
+            f"{where} frame's header does not hold the {f.changed} changes its manifest entry "
+            "declares in its content"
+        )
+    return FrameError(f"{where} {kernel.PROBLEMS[status]}")
+
+
+def _mismatch(task: FrameTask, frame_adler: int) -> IntegrityError:
+    f = task.frame
+    return IntegrityError(
+        f"{task.name}[{f.start}:{f.stop}]: decoded frame has Adler-32 {frame_adler:08x}, "
+        f"the manifest says {f.adler32:08x}; the tensors are not at the frame's parent "
+        "or the frame is damaged"
+    )
+
+
 def frame_changes(
     dec: FrameDecoder, codec: str, data: bytes, n: int, size: int, changed: int
 ) -> Iterable[Changes]:
@@ -190,4 +342,4 @@ def _stage_sparse2(host: np.ndarray, task: FrameTask, data: bytes, dec: FrameDec
     return Staged(Update(name, 0, pos, masks, masks, xor=True), sums, frame_adler)
 
 
-__all__ = ["Staged", "check_frames", "frame_changes", "stage_frame"]
+__all__ = ["Staged", "check_frames", "frame_changes", "stage_batch", "stage_frame"]

@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Literal, cast
 
@@ -53,7 +53,7 @@ from deltastore.sync.group import Group
 from deltastore.sync.lease import DEFAULT_LEASE_TTL_S, LeaseKeeper
 from deltastore.sync.priority import Priority, check_priority
 from deltastore.sync.ranks import LayoutSync
-from deltastore.sync.stage import Staged, check_frames, stage_frame
+from deltastore.sync.stage import Staged, check_frames, stage_batch, stage_frame
 from deltastore.tensors.dtypes import dtype_from_name, dtype_name, flat_words
 from deltastore.tensors.host import TensorT
 from deltastore.tensors.tables import (
@@ -481,8 +481,16 @@ class Subscriber(Generic[TensorT]):
         self._check_parent(m)
         tasks = frame_tasks(m)
         delta = m.kind == "delta"
+        tensors = self._tensors
+
+        def batch(
+            ts: Sequence[FrameTask], buf: bytes, offsets: Sequence[int], dec: FrameDecoder
+        ) -> list[Staged]:
+            words = [flat_words(tensors[t.name]) for t in ts]
+            return stage_batch(words, ts, buf, offsets, dec, delta)
+
         staged = self._frames.run(
-            tasks, lambda t, data, dec: self._stage(t, data, dec, delta), timer
+            tasks, lambda t, data, dec: self._stage(t, data, dec, delta), timer, batch=batch
         )
         t0 = time.perf_counter()
         if delta:  # incremental from the verified local state, O(changed)
