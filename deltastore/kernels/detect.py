@@ -1,26 +1,31 @@
 """The publisher's detect-and-encode kernels (numba): a frame's changes, their Adler-32 delta
 and their ``xor-sparse2`` sections, and the XOR-scatter of a commit into the held words.
 
-:func:`find` compares a frame's old (held) and new words in one pass, 64 words a block (an
-OR of the block's XORs, vectorized; a block with a change is walked again, in cache) and
-writes the changed positions (uint32, frame-local, ascending) and XOR masks (``old ^ new``,
-never zero) straight into a per-thread :class:`Scratch`, with, in the same pass, the sums
-``(dA, dB)`` of :func:`deltastore.format.checksum.delta_sums` (so the frame's Adler-32 comes
-from its parent's, :func:`~deltastore.format.checksum.apply_delta`): no bool map, no int64
-temporary. When more than about one word in :data:`SCRATCH_SHARE` changed (the scratch is
-full), the rest of the frame is counted first, then filled into arrays of the exact size.
+:func:`find` compares a frame's old (held) and new words in one pass, 64 words a block (a
+64-bit map of the block's changed words, vectorized compares and no branch but the one on the
+map; then one step per change, from the map's lowest set bit) and writes the changed positions
+(uint32, frame-local, ascending) and XOR masks (``old ^ new``, never zero) straight into a
+per-thread :class:`Scratch`, with, in the same pass, the sums ``(dA, dB)`` of
+:func:`deltastore.format.checksum.delta_sums` (so the frame's Adler-32 comes from its
+parent's, :func:`~deltastore.format.checksum.apply_delta`): no bool map, no int64 temporary.
+When more than about one word in :data:`SCRATCH_SHARE` changed (the scratch is full), the
+rest of the frame is counted first, then gathered into arrays of the exact size. On the
+development machine (2 shared cores): ~0.7x the time of the numpy ``not_equal`` +
+``flatnonzero`` pass it replaces on a frame of 8 Mi bf16 words with 0.8% changed (2.1 against
+3.7 ms in cache); over a 490 MB model, about the time of reading both copies once.
 
 :func:`sparse2_sections` lays out the decompressed content of an ``xor-sparse2`` frame (spec
-``docs/spec/format-v1.md`` section 8.2.4) in one buffer, in two O(changed) passes (the
-escapes counted, then every byte written), and returns it cut into the sections the encoder
-compresses, byte for byte what
+``docs/spec/format-v1.md`` section 8.2.4) in one buffer, in one kernel call of two O(changed)
+passes (the escapes counted, then every byte written), and returns it cut into the sections
+the encoder compresses, byte for byte what
 :func:`~deltastore.format.codecs.v2.position_sections` ``+``
 :func:`~deltastore.format.codecs.v2.byte_planes` make (the numpy reference, which
-``tests/test_kernels_detect.py`` compares it with).
+``tests/test_kernels_detect.py`` compares it with). :func:`pack_masks` packs the masks a
+writer holds until its commit as ``PackedMasks.of`` does.
 
 :func:`xor_scatter` XORs a frame's masks (as they are, or packed: low bytes and the few high
-parts) into held words at their positions, one pass (the numpy reference gathers, XORs and
-scatters, after unpacking the masks).
+parts) into held words at their positions, one pass (the numpy reference unpacks the masks,
+then gathers, XORs and scatters: ~3x slower).
 
 Words: 1-D contiguous unsigned (or signed, viewed as unsigned) little-endian integers of 1,
 2, 4 or 8 bytes; a frame has fewer than ``2**32 - 1`` words. Every kernel is compiled with
@@ -156,8 +161,8 @@ def _scan(
     Blocks of :data:`BLOCK` words: the map of a block's changed words (:func:`_bits`:
     vectorized; no array is made in the loop), its changes then taken one by one from the map
     (:func:`_block`), or, with less than a block of room left and in the tail, word by word
-    (:func:`_words`). The blocks are counted from ``start``;
-    their positions are written relative to it, then shifted."""
+    (:func:`_words`). The blocks are counted from ``start``; their positions are written
+    relative to it, then shifted."""
     a = old[start:]
     b = new[start:]
     size = a.itemsize
@@ -185,8 +190,9 @@ def _scan(
                 return k, start + stop, s, w
     k0 = k
     k, stop, ds, dw = _words(a, b, blocks * BLOCK, a.size, pos, masks, k)
-    for t in range(k0, k):
-        pos[t] += start
+    if start:
+        for t in range(k0, k):
+            pos[t] += start
     s += ds
     w = (w + dw + ((start * size) % MOD) * ds) % MOD
     return k, old.size if stop < 0 else start + stop, s, w
@@ -365,9 +371,11 @@ def _unsigned(words: np.ndarray) -> np.ndarray:
 
 
 class Scratch:
-    """One thread's reusable buffers of positions (uint32) and masks (bytes, viewed as each
-    frame's words), grown to ``n /`` :data:`SCRATCH_SHARE` changes of the largest frame seen
-    (plus a block). Not thread-safe: one per thread."""
+    """One thread's reusable buffers of positions (uint32) and masks (8 bytes each, viewed as
+    each frame's words), grown to ``n /`` :data:`SCRATCH_SHARE` changes of the largest frame
+    seen (plus a block): 12 bytes per entry of address space, resident only as far as
+    changes were written (at most ~6 MiB a thread for the default 16 MiB frames of bf16).
+    Not thread-safe: one per thread."""
 
     def __init__(self) -> None:
         self._pos = np.empty(0, dtype=np.uint32)
