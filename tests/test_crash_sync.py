@@ -263,6 +263,18 @@ def install(point: str, n: int) -> None:
             xor_at(local, positions, masks)
 
         words.xor_at = xor_half
+        xor_all = words.xor_all
+
+        def xor_all_half(writes: Any) -> None:
+            for i, (local, positions, masks) in enumerate(writes):
+                if hit():
+                    xor_all(writes[:i])
+                    half = max(1, positions.size // 2)
+                    xor_at(local, positions[:half], masks[:half])
+                    die()
+            xor_all(writes)
+
+        words.xor_all = xor_all_half
     elif point == "record":  # written and flushed, the sidecar not yet replaced
         write_state = folders._write_state
 

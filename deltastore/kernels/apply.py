@@ -41,6 +41,7 @@ from llvmlite import ir  # type: ignore[import-untyped, unused-ignore]
 from numba import types
 from numba.core import cgutils as _cgutils  # type: ignore[import-untyped, unused-ignore]
 from numba.extending import intrinsic  # type: ignore[import-untyped, unused-ignore]
+from numba.np.numpy_support import carray  # type: ignore[import-untyped, unused-ignore]
 
 #: Bytes of the ``xor-sparse2`` header (``<u32 k><u32 e><u8 L><3 zero bytes>``).
 HEADER: Final = 12
@@ -85,6 +86,18 @@ def _prefetch_typer(typingctx: Any, array: Any, index: Any) -> Any:
 
 
 _prefetch: Any = intrinsic(_prefetch_typer)
+
+
+def _voidptr_typer(typingctx: Any, address: Any) -> Any:
+    """``address`` (an integer) as a ``void *``, for ``carray``."""
+
+    def codegen(context: Any, builder: Any, signature: Any, values: Any) -> Any:
+        return builder.inttoptr(values[0], ir.IntType(8).as_pointer())
+
+    return types.voidptr(address), codegen
+
+
+_voidptr: Any = intrinsic(_voidptr_typer)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -207,6 +220,38 @@ def _xor_at(words: Any, positions: Any, masks: Any) -> None:
         words[positions[i]] ^= masks[i]
 
 
+@numba.njit(nogil=True, cache=True)
+def _xor_many(table: Any, pos_like: Any, mask_like: Any) -> None:
+    """:func:`_xor_at` of every row of ``table`` (int64: words address, words count,
+    positions address, masks address, count); positions and masks of ``pos_like``'s and
+    ``mask_like``'s dtypes, words of ``mask_like``'s."""
+    for r in range(table.shape[0]):
+        words = carray(_voidptr(table[r, 0]), (table[r, 1],), mask_like.dtype)
+        positions = carray(_voidptr(table[r, 2]), (table[r, 4],), pos_like.dtype)
+        masks = carray(_voidptr(table[r, 3]), (table[r, 4],), mask_like.dtype)
+        _xor_at(words, positions, masks)
+
+
+def xor_many(writes: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    """:func:`xor_at` of every ``(local, positions, masks)`` of ``writes`` in one native call
+    per kind of positions and words (the GIL released once, not once per write). Releases
+    the GIL; not thread-safe for overlapping positions."""
+    groups: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+    for local, positions, masks in writes:
+        key = (positions.dtype.str, masks.dtype.str)
+        groups.setdefault(key, []).append((_words(local, masks.dtype.itemsize), positions, masks))
+    for group in groups.values():
+        for words, positions, masks in group:
+            if not (words.flags.c_contiguous and positions.flags.c_contiguous
+                    and masks.flags.c_contiguous):  # fmt: skip
+                raise ValueError("xor_many needs contiguous words, positions and masks")
+        table = np.array(
+            [(w.ctypes.data, w.size, p.ctypes.data, m.ctypes.data, p.size) for w, p, m in group],
+            dtype=np.int64,
+        )
+        _xor_many(table, group[0][1][:0], group[0][2][:0])
+
+
 def _words(local: np.ndarray, size: int) -> np.ndarray:
     """``local`` (1-D, contiguous) as unsigned words of ``size`` bytes."""
     return local.view(np.dtype(f"<u{size}"))
@@ -289,4 +334,5 @@ __all__ = [
     "stage_sparse2",
     "warm",
     "xor_at",
+    "xor_many",
 ]

@@ -32,7 +32,7 @@ from numba import types
 from numba.extending import intrinsic  # type: ignore[import-untyped, unused-ignore]
 from numba.np.numpy_support import carray  # type: ignore[import-untyped, unused-ignore]
 
-from deltastore.kernels.apply import ESCAPE, HEADER, OK, _walk
+from deltastore.kernels.apply import ESCAPE, HEADER, OK, _voidptr, _walk
 from deltastore.kernels.clib import DCtx, Functions
 
 #: Status codes beyond :mod:`deltastore.kernels.apply`'s (which :func:`stage_batch` also
@@ -72,16 +72,6 @@ _call1_u32: Any = intrinsic(_call1_typer)
 _call2_u64: Any = intrinsic(_call2_typer)
 #: ``fn(a, b, c, d, e)`` returning ``size_t`` (``ZSTD_decompressDCtx``).
 _call5_u64: Any = intrinsic(_call5_typer)
-
-
-def _voidptr_typer(typingctx: Any, address: Any) -> Any:
-    def codegen(context: Any, builder: Any, signature: Any, values: Any) -> Any:
-        return builder.inttoptr(values[0], ir.IntType(8).as_pointer())
-
-    return types.voidptr(address), codegen
-
-
-_voidptr: Any = intrinsic(_voidptr_typer)
 
 
 @numba.njit(nogil=True, cache=True)

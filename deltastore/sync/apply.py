@@ -284,11 +284,22 @@ def verify_tensors(m: Manifest, got: Mapping[str, int], outcome: str) -> None:
         )
 
 
-def writes_of(tensors: Tensors, updates: Iterable[Update]) -> list[Write]:
+def writes_of(
+    tensors: Tensors,
+    updates: Iterable[Update],
+    *,
+    words: Callable[[Tensors, str], Words] | None = None,
+) -> list[Write]:
     """The writes of ``updates`` into the local ``tensors`` (by name; contiguous); updates that
-    change nothing are left out."""
+    change nothing are left out. ``words(tensors, name)``: a tensor's flat words (default
+    :func:`~deltastore.tensors.dtypes.flat_words`; e.g. a
+    :class:`~deltastore.tensors.dtypes.WordViews`)."""
+
+    def flat(name: str) -> Words:
+        return flat_words(tensors[name]) if words is None else words(tensors, name)
+
     return [
-        Write(flat_words(tensors[u.local])[u.start :], u.positions, u.old, u.new, u.dense, u.xor)
+        Write(flat(u.local)[u.start :], u.positions, u.old, u.new, u.dense, u.xor)
         for u in updates
         if u.new.size
     ]

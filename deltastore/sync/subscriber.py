@@ -54,7 +54,7 @@ from deltastore.sync.lease import DEFAULT_LEASE_TTL_S, LeaseKeeper
 from deltastore.sync.priority import Priority, check_priority
 from deltastore.sync.ranks import LayoutSync
 from deltastore.sync.stage import Staged, check_frames, stage_batch, stage_frame
-from deltastore.tensors.dtypes import dtype_from_name, dtype_name, flat_words
+from deltastore.tensors.dtypes import WordViews, dtype_from_name, dtype_name, flat_words
 from deltastore.tensors.host import TensorT
 from deltastore.tensors.tables import (
     Table,
@@ -189,6 +189,7 @@ class Subscriber(Generic[TensorT]):
         if threads is not None and threads < 1:
             raise ValueError(f"threads={threads}: give at least 1 (or None: every CPU)")
         self._threads = threads
+        self._words = WordViews()  # each tensor's words, made once
         self.store = open_store(url, storage_options)
         self._io = CountingStore(self.store)  # every request of this subscriber, counted
         self._tensors = tensors
@@ -486,7 +487,7 @@ class Subscriber(Generic[TensorT]):
         def batch(
             ts: Sequence[FrameTask], buf: bytes, offsets: Sequence[int], dec: FrameDecoder
         ) -> list[Staged]:
-            words = [flat_words(tensors[t.name]) for t in ts]
+            words = [self._words(tensors, t.name) for t in ts]
             return stage_batch(words, ts, buf, offsets, dec, delta)
 
         staged = self._frames.run(
@@ -501,7 +502,9 @@ class Subscriber(Generic[TensorT]):
         else:  # a full version: every frame was checked directly; they must add up
             got = frame_totals(m, tasks, [st.frame_adler for st in staged])
         verify_tensors(m, got, "nothing was written")
-        writes = writes_of(self._tensors, (st.update for st in staged))  # before the pause
+        writes = writes_of(  # before the pause
+            self._tensors, (st.update for st in staged), words=self._words
+        )
         t1 = time.perf_counter()
         write_phase(writes, self._hooks, threads=self._threads)
         self._set_state(m)
@@ -560,7 +563,7 @@ class Subscriber(Generic[TensorT]):
         the fetcher's worker threads)."""
         if self._tensors is None:  # pragma: no cover - guarded by _apply
             raise ChainError("no tensors")
-        return stage_frame(flat_words(self._tensors[task.name]), task, data, dec, delta)
+        return stage_frame(self._words(self._tensors, task.name), task, data, dec, delta)
 
     def _allocate(self, m: Manifest) -> dict[str, torch.Tensor]:
         """New (uninitialized) torch tensors on the subscriber's device for ``m``'s table: the

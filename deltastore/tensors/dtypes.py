@@ -140,8 +140,34 @@ class CastWords:
         return self[:]
 
 
+class WordViews:
+    """Each tensor's flat words (:func:`flat_words`; a CPU tensor's as the numpy view of its
+    memory), made once per tensor object and reused while ``tensors[name]`` is that object:
+    every torch call hands the GIL over, which costs up to a switch interval (5 ms) while
+    another Python thread, an engine's scheduler, is running. A tensor whose memory moved
+    (``param.data = ...``) gets a new view. Thread-safe (one dict entry per name, replaced
+    whole)."""
+
+    def __init__(self) -> None:
+        self._views: dict[str, tuple[tuple[Any, int], Words]] = {}
+
+    def __call__(self, tensors: Any, name: str) -> Words:
+        t = tensors[name]
+        # the object, and where its memory is now (``param.data = ...`` keeps the object)
+        key = (t, t.words.ctypes.data if isinstance(t, HostTensor) else t.data_ptr())
+        hit = self._views.get(name)
+        if hit is not None and hit[0][0] is t and hit[0][1] == key[1]:
+            return hit[1]
+        words = flat_words(t)
+        if not isinstance(words, np.ndarray) and words.device.type == "cpu":
+            words = words.numpy()
+        self._views[name] = (key, words)
+        return words
+
+
 __all__ = [
     "CastWords",
+    "WordViews",
     "dtype_from_name",
     "dtype_name",
     "flat_words",

@@ -172,6 +172,21 @@ def xor_at(local: Words, positions: np.ndarray, masks: np.ndarray) -> None:
     kernel(host, positions, masks)
 
 
+def xor_all(writes: Sequence[tuple[Words, np.ndarray, np.ndarray]]) -> None:
+    """:func:`xor_at` of every ``(local, positions, masks)``, in one native call per kind of
+    words (:func:`deltastore.kernels.apply.xor_many`: the GIL is released once, not once per
+    write); every ``local`` is checked to be host words first (TypeError: nothing written)."""
+    hosts = []
+    for local, positions, masks in writes:
+        host = host_view(local)
+        if host is None:
+            raise TypeError("an in-place XOR write needs host words")
+        hosts.append((host, positions, masks))
+    from deltastore.kernels.apply import xor_many  # numba: loaded on first use
+
+    xor_many(hosts)
+
+
 def narrow(positions: np.ndarray, numel: int) -> np.ndarray:
     """Flat int64 ``positions`` (each below ``numel``) as int32 when ``numel`` allows, else as
     they are: how staged positions are kept until the write (see the module docstring)."""
@@ -241,9 +256,8 @@ def _xor_parallel(writes: Sequence[Write], threads: int | None) -> None:
     finished: list[list[Write]] = [[] for _ in bins]
 
     def put(i: int) -> None:
-        for w in bins[i]:
-            w.put(w.new)
-            finished[i].append(w)
+        xor_all([(w.local, w.positions, w.new) for w in bins[i]])  # all, or none written
+        finished[i].extend(bins[i])
 
     try:
         if len(bins) == 1:
