@@ -462,6 +462,9 @@ class CodecSpec:
     #: ``(decoder, data, out)``: decode the new words into ``out``; None for a codec of
     #: XOR masks.
     into: Callable[[FrameDecoder, bytes, np.ndarray], None] | None = None
+    #: The receivers' native kernels decode it (:mod:`deltastore.kernels`; from
+    #: :meth:`FrameDecoder.sparse2_content`); other codecs go through :attr:`changes`.
+    native: bool = False
 
     @property
     def needs_parent(self) -> bool:
@@ -546,7 +549,14 @@ CODEC_TABLE: Final[Mapping[str, CodecSpec]] = MappingProxyType(
             XOR_SPARSE, "v1", False, True, sparse_bound, _sparse_range, _sparse_changes
         ),
         XOR_SPARSE2: CodecSpec(
-            XOR_SPARSE2, "v2", False, True, sparse2_bound, sparse2_bounds, _sparse2_changes
+            XOR_SPARSE2,
+            "v2",
+            False,
+            True,
+            sparse2_bound,
+            sparse2_bounds,
+            _sparse2_changes,
+            native=True,
         ),
         RAW_PLANES: CodecSpec(
             RAW_PLANES,
