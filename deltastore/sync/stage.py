@@ -17,7 +17,7 @@ import numpy as np
 
 from deltastore.errors import FrameError, IntegrityError, ManifestError
 from deltastore.format.checksum import MOD, adler32
-from deltastore.format.codecs import Changes, FrameDecoder, stored_bound
+from deltastore.format.codecs import Changes, FrameDecoder, codec_spec, stored_bound
 from deltastore.format.codecs.v2 import XOR_SPARSE2
 from deltastore.format.codecs.zstdframe import MAX_WINDOW_SIZE
 from deltastore.format.dtypes import itemsize, word_dtype
@@ -90,7 +90,7 @@ def stage_frame(
     name, entry, f = task.name, task.entry, task.frame
     size = itemsize(entry.dtype)
     n = f.stop - f.start
-    host = host_view(local) if native and f.codec == XOR_SPARSE2 else None
+    host = host_view(local) if native and codec_spec(f.codec).native else None
     if host is not None:
         return _stage_sparse2(host, task, data, dec)
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -189,7 +189,7 @@ def stage_batch(
 
     for i, task in enumerate(tasks):
         host = host_view(locals_[i]) if fns is not None else None
-        native = host is not None and task.frame.codec == XOR_SPARSE2
+        native = host is not None and codec_spec(task.frame.codec).native
         if run and (not native or _size(tasks[run[0]]) != _size(task)):
             flush()
         if native:
@@ -302,7 +302,7 @@ def frame_changes(
     ``xor-sparse2`` frame decoded by the native kernel
     (:func:`deltastore.kernels.apply.decode_sparse2`, GIL released): for receivers that
     route changes before staging them (:mod:`deltastore.sync.ranks`)."""
-    if codec != XOR_SPARSE2:
+    if not codec_spec(codec).native:
         return dec.changes(codec, data, n, size, changed)
     from deltastore.kernels import apply as kernel  # numba: loaded on the first sparse frame
 
