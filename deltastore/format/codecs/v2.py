@@ -410,12 +410,9 @@ class FrameEncoder2:
         return self.xor_sparse2_sections([*parts, *byte_planes(masks)], k)
 
     def xor_sparse2_sections(self, sections: Sequence[bytes | memoryview], k: int) -> bytes:
-        """``xor-sparse2`` frame of ``k >= 1`` changes whose decompressed content is already
-        made, cut as ``[header + tokens, *low-bit planes, *escape planes, *mask planes]``
-        (what :func:`position_sections` and :func:`byte_planes` make; the publisher's native
-        kernel, ``deltastore.kernels.detect.sparse2_sections``, makes the same bytes): one
-        zstd block per section from :data:`BLOCKS_MIN_CHANGES` changes on, as
-        :meth:`xor_sparse2`. The sections are not checked."""
+        """:meth:`xor_sparse2` of ``k >= 1`` changes from their content already cut into
+        ``[header + tokens, *low-bit planes, *escape planes, *mask planes]`` (not checked;
+        ``deltastore.kernels.detect.sparse2_sections`` makes them)."""
         return self.compress_parts(sections, blocks=k >= BLOCKS_MIN_CHANGES)
 
     def raw_planes(self, new: np.ndarray) -> bytes:
