@@ -506,6 +506,23 @@ def xor_scatter(
         _xor_at(target, positions, _unsigned(masks))
 
 
+def warm() -> None:
+    """Load (or, in a fresh environment, compile) the kernels for 2-byte words, the common
+    case, so that the first frame does not wait for them: about 0.25 s from the on-disk
+    cache, about 2 s to compile (measured on the development machine). Thread-safe; cheap
+    after the first call."""
+    old = np.zeros(200, dtype=np.uint16)
+    new = old.copy()
+    new[:20] = 1
+    new[150] = 0x101  # one high part among low bytes: the masks pack
+    found = find(old, new, Scratch())
+    sparse2_sections(found.positions, found.masks)
+    packed = pack_masks(found.masks)
+    xor_scatter(old, found.positions, found.masks)
+    xor_scatter(old, found.positions, packed=packed)
+    bitmap_positions(bitmap(found.positions, old.size), old.size, found.positions.size)
+
+
 __all__ = [
     "BLOCK",
     "SCRATCH_SHARE",
@@ -516,5 +533,6 @@ __all__ = [
     "find",
     "pack_masks",
     "sparse2_sections",
+    "warm",
     "xor_scatter",
 ]

@@ -7,8 +7,9 @@ caller packs and uploads. Thread-safe in that sense only: one caller thread per 
 
 By default (:data:`NATIVE`) a frame is detected, checksummed and laid out for ``xor-sparse2``
 by the numba kernels of :mod:`deltastore.kernels.detect` (one pass over the frame's words,
-then O(changed); imported on the first frame with a parent, so that ``import deltastore``
-does not import numba); ``FrameEncoders(..., native=False)`` runs the numpy reference
+then O(changed); loaded on a daemon thread when the first :class:`FrameEncoders` is made, so
+that ``import deltastore`` does not import numba and the first delta does not wait for it);
+``FrameEncoders(..., native=False)`` runs the numpy reference
 (:func:`_find`, :func:`~deltastore.format.checksum.delta_sums`,
 :func:`~deltastore.format.codecs.v2.position_sections`), which makes the same frames, bit for
 bit.
@@ -16,6 +17,7 @@ bit.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -32,6 +34,8 @@ from deltastore.format.codecs import NEW_WORDS_CODECS, RAW, Codec, CodecSet, Fra
 from deltastore.format.codecs.v2 import V1_MAX_CHANGES
 from deltastore.format.manifest import Frame
 from deltastore.publish.snapshot import BITMAP_DENSITY, FrameChange, HeldFrame, PackedMasks
+
+log = logging.getLogger("deltastore.publish.publisher")
 
 #: Whether :class:`FrameEncoders` runs the native kernels by default (else the numpy
 #: reference; the same frames either way).
@@ -121,6 +125,8 @@ class FrameEncoders:
         self._level, self._workers, self._codecs = level, workers, codecs
         self._native = NATIVE if native is None else native
         self._local = threading.local()
+        if self._native:
+            _warm_kernels()
 
     def _encoder(self) -> FrameEncoder:
         enc: FrameEncoder | None = getattr(self._local, "encoder", None)
@@ -273,6 +279,28 @@ class FrameEncoders:
                 held += w
             while ahead:
                 yield ahead.popleft()[0].result()
+
+
+_warming: threading.Thread | None = None
+
+
+def _warm_kernels() -> None:
+    """Load the native kernels on a daemon thread (once per process), so that the first delta
+    a publisher encodes does not wait for them (:func:`deltastore.kernels.detect.warm`)."""
+    global _warming
+    if _warming is not None:
+        return
+
+    def warm() -> None:
+        try:
+            from deltastore.kernels.detect import warm as load
+
+            load()
+        except Exception as exc:  # the first frame loads them again, and reports the problem
+            log.debug("could not load the detect kernels ahead of time: %s", exc)
+
+    _warming = threading.Thread(target=warm, name="deltastore-warm-detect", daemon=True)
+    _warming.start()
 
 
 def _words(job: FrameJob) -> int:
