@@ -512,6 +512,7 @@ def forced_codecs() -> Any:
         positions: np.ndarray,
         *,
         masks: np.ndarray | None = None,
+        sparse2: object = None,
     ) -> tuple[str, bytes]:
         codec = next(order)
         if codec == XOR_SPARSE:

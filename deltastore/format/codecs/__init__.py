@@ -65,6 +65,12 @@ from deltastore.format.codecs.patch import (
     patch_bound,
     patch_bounds,
 )
+from deltastore.format.codecs.sparse import (
+    SPARSE_HEADER,
+    decode_sparse,
+    sparse_bound,
+    sparse_content,
+)
 from deltastore.format.codecs.v2 import (
     ESCAPE,
     RAW_PLANES,
@@ -99,37 +105,8 @@ CODEC_SETS: Final = ("v1", "v2")
 #: limit a subscriber applies by default (spec section 8.3: 1 GiB).
 MAX_FRAME_BYTES: Final = 1 << 30
 
-SPARSE_HEADER = 8
 #: Words decoded per step when streaming a dense frame.
 CHUNK_BYTES = 1 << 20
-
-
-def _planes(words: np.ndarray) -> bytes:
-    """Byte planes of unsigned words: all byte-0s, then all byte-1s, ...
-
-    Copied plane by plane (a strided read each): ~10x faster than transposing the whole
-    ``(count, size)`` byte matrix in one go."""
-    size = words.dtype.itemsize
-    src = np.ascontiguousarray(words).view(np.uint8).reshape(-1, size)
-    out = np.empty((size, src.shape[0]), dtype=np.uint8)
-    for j in range(size):
-        out[j] = src[:, j]
-    return out.tobytes()
-
-
-def _unplanes(raw: bytes | memoryview, offset: int, count: int, size: int) -> np.ndarray:
-    """Words from ``size`` byte planes of ``count`` bytes at ``offset`` (plane by plane)."""
-    planes = np.frombuffer(raw, dtype=np.uint8, count=count * size, offset=offset)
-    out = np.empty(count, dtype=word_dtype(size))
-    dst = out.view(np.uint8).reshape(count, size)
-    for j in range(size):
-        dst[:, j] = planes[j * count : (j + 1) * count]
-    return out
-
-
-def sparse_bound(n: int, size: int) -> int:
-    """Largest decompressed size of an ``xor-sparse`` frame of ``n`` elements of ``size`` bytes."""
-    return SPARSE_HEADER + n * (4 + size)
 
 
 def sparse2_bound(n: int, size: int) -> int:
@@ -224,13 +201,7 @@ class FrameEncoder:
 
     def xor_sparse(self, positions: np.ndarray, masks: np.ndarray) -> bytes:
         """``xor-sparse`` frame from strictly increasing positions and non-zero masks."""
-        k = int(positions.size)
-        gaps = np.diff(positions, prepend=-1) - 1
-        top = int(gaps.max()) if k else 0
-        width = 1 if top < 1 << 8 else 2 if top < 1 << 16 else 4
-        header = k.to_bytes(4, "little") + bytes((width, 0, 0, 0))
-        body = _planes(gaps.astype(word_dtype(width))) + _planes(masks)
-        return one_shot(self._cctx, header + body)
+        return one_shot(self._cctx, sparse_content(positions, masks))
 
     def new_words(self, new: np.ndarray) -> tuple[Codec, bytes]:
         """The frame of new words (every frame of an anchor, a tensor without a parent):
@@ -348,27 +319,7 @@ class FrameDecoder:
             raw = self._dctx.decompress(data)
         except zstandard.ZstdError as exc:
             raise FrameError(f"xor-sparse frame does not decompress ({exc})") from None
-        k = int.from_bytes(raw[0:4], "little")
-        width = raw[4]
-        if width not in (1, 2, 4) or raw[5:8] != b"\0\0\0":
-            raise FrameError(f"xor-sparse header is invalid (gap width {width})")
-        if k != changed or len(raw) != SPARSE_HEADER + k * (width + size):
-            raise FrameError(
-                f"xor-sparse frame holds {k} changes in {len(raw)} bytes; "
-                f"its manifest entry declares {changed}"
-            )
-        gaps = _unplanes(raw, SPARSE_HEADER, k, width).astype(np.int64)
-        masks = _unplanes(raw, SPARSE_HEADER + k * width, k, size)
-        if k and int(gaps.max()) >= n:
-            raise FrameError("xor-sparse gap points past the end of the frame")
-        positions = np.cumsum(gaps + 1) - 1
-        if k and int(positions[-1]) >= n:
-            raise FrameError(
-                f"xor-sparse position {int(positions[-1])} is past the frame's {n} elements"
-            )
-        if not masks.all():
-            raise FrameError("xor-sparse frame holds a zero mask (an element that did not change)")
-        return positions, masks
+        return decode_sparse(raw, n, size, changed)
 
     def sparse2_content(
         self, data: bytes, n: int, size: int, changed: int
