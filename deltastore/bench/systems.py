@@ -154,7 +154,7 @@ class DeltastoreReceiver(Receiver):
         self.sub.verify()  # the O(model) check of tensors handed over with a version
         # the decode kernel's code is loaded here, in the set-up, as an engine loads it at
         # attach (0.2 s from numba's cache), not in the first timed sync
-        from deltastore.kernels.apply import warm
+        from deltastore.kernels.batch import warm
 
         warm()
 

@@ -320,6 +320,7 @@ def warm() -> None:
     status, pos, masks, _ = stage_sparse2(raw, 1, 0, 0, 2, words, 0, 4)
     if status == OK:
         xor_at(words, pos, masks)
+        xor_many([(words, pos, masks)])
     decode_sparse2(raw, 1, 0, 0, 2, 2)
 
 

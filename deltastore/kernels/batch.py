@@ -22,6 +22,7 @@ read.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -197,6 +198,27 @@ def stage_batch(
     return BatchResult(int(status), int(failed), positions, masks, offsets, sums)
 
 
+def warm() -> None:
+    """:func:`deltastore.kernels.apply.warm`, and load this module's kernel for 2-byte words
+    and int32 positions (one frame of one change staged), where zstd's and xxhash's C
+    functions are reachable. Thread-safe."""
+    import xxhash
+    import zstandard
+
+    from deltastore.kernels import apply
+    from deltastore.kernels.clib import functions
+
+    apply.warm()
+    fns = functions()
+    if fns is None:
+        return
+    content = struct.pack("<IIB3s", 1, 0, 0, b"\0\0\0") + bytes([1, 1, 0])
+    data = zstandard.ZstdCompressor().compress(content)
+    words = np.zeros(2, dtype=np.uint16)
+    frame = BatchFrame(0, len(data), xxhash.xxh3_64_intdigest(data), len(content), 2, 0, 1, words)
+    stage_batch(data, [frame], fns, DCtx(fns, 27))
+
+
 __all__ = [
     "COUNT_MISMATCH",
     "HEADER_INVALID",
@@ -205,4 +227,5 @@ __all__ = [
     "BatchFrame",
     "BatchResult",
     "stage_batch",
+    "warm",
 ]

@@ -630,14 +630,14 @@ _warming: threading.Thread | None = None
 
 def _warm_kernels() -> None:
     """Load the native decode kernel on a daemon thread (once per process), so that the first
-    delta a subscriber applies does not wait for it (:func:`deltastore.kernels.apply.warm`)."""
+    delta a subscriber applies does not wait for it (:func:`deltastore.kernels.batch.warm`)."""
     global _warming
     if _warming is not None:
         return
 
     def warm() -> None:
         try:
-            from deltastore.kernels.apply import warm as load
+            from deltastore.kernels.batch import warm as load
 
             load()
         except Exception as exc:  # the first frame loads it again, and reports the problem
