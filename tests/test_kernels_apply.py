@@ -11,7 +11,9 @@ last element, dense and escaped (long-gap) frames.
 from __future__ import annotations
 
 import struct
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -352,3 +354,43 @@ def test_batch_errors(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(IntegrityError, match="Adler-32"):
         stage_batch(locals_, tasks, buf, offsets, dec, True)
     assert all(np.array_equal(a, b) for a, b in zip(tensors, before, strict=True))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+@pytest.mark.parametrize("paused", [False, True])
+def test_write_threads_priority(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, paused: bool
+) -> None:
+    """Without a pause hook the write threads run at the subscriber's priority (whatever runs
+    beside the sync keeps running); with one, at the calling thread's (nothing else runs)."""
+    import torch
+
+    from deltastore import Publisher, Subscriber
+    from deltastore.sync.priority import thread_priority
+
+    monkeypatch.setattr(words, "PARALLEL_WORDS", 1)
+    seen: list[object] = []
+    xor_all = words.xor_all
+
+    def record(writes: Any) -> None:
+        seen.append(thread_priority())
+        xor_all(writes)
+
+    monkeypatch.setattr(words, "xor_all", record)
+    url = str(tmp_path / "store")
+    rng = np.random.default_rng(2)
+    w = {f"t{i}": torch.from_numpy(rng.standard_normal(9000)).to(torch.bfloat16) for i in range(4)}
+    pub = Publisher(url)
+    pub.publish(w, version=1)
+    for t in w.values():
+        t.view(torch.int16)[torch.from_numpy(rng.choice(t.numel(), 90, replace=False))] ^= 3
+    pub.publish(w, version=2)
+    sub = Subscriber(url, priority=17, threads=2, pause=(lambda: None) if paused else None)
+    sub.sync(1)
+    before = thread_priority()
+    sub.sync(2)
+    assert seen and all(p == (before if paused else 17) for p in seen), (seen, before)
+    assert sub.tensors is not None
+    assert all(
+        torch.equal(sub.tensors[k].view(torch.int16), v.view(torch.int16)) for k, v in w.items()
+    )

@@ -187,14 +187,18 @@ def test_subscriber_stages_on_low_priority_threads_and_applies(
     v0, v1 = chain(tmp_path)
     seen: set[object] = set()
     lock = threading.Lock()
-    original = subscriber_module.stage_frame
 
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        with lock:
-            seen.add((threading.get_native_id(), thread_priority()))
-        return original(*args, **kwargs)
+    def spying(original):  # type: ignore[no-untyped-def]
+        def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+            with lock:
+                seen.add((threading.get_native_id(), thread_priority()))
+            return original(*args, **kwargs)
 
-    monkeypatch.setattr(subscriber_module, "stage_frame", spy)
+        return spy
+
+    # frame by frame, and a job's frames at once (the native batch path)
+    for name in ("stage_frame", "stage_batch"):
+        monkeypatch.setattr(subscriber_module, name, spying(getattr(subscriber_module, name)))
     local = {k: v.clone() for k, v in v0.items()}
     before = thread_priority()
     sub = Subscriber(tmp_path, tensors=local, version=0, max_workers=2, priority="idle",

@@ -34,6 +34,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,7 @@ from deltastore.format.checksum import (
 from deltastore.format.dtypes import itemsize
 from deltastore.format.manifest import Manifest
 from deltastore.sync.fetch import FrameTask
+from deltastore.sync.priority import Priority, lower_current_thread
 from deltastore.tensors import words
 from deltastore.tensors.dtypes import flat_words
 from deltastore.tensors.host import Tensors, Words
@@ -311,12 +313,14 @@ def write_phase(
     agree: Callable[[bool], Sequence[int]] | None = None,
     *,
     threads: int | None = None,
+    priority: Priority = 0,
 ) -> None:
     """The write phase: ``hooks.pause``; every write, all or nothing
     (:func:`deltastore.tensors.words.write_all`); ``hooks.resume``, also on error.
 
     ``threads``: how many threads sparse XOR writes may use
-    (:func:`~deltastore.tensors.words.write_all`; None: every CPU).
+    (:func:`~deltastore.tensors.words.write_all`; None: every CPU); without a pause hook they
+    run at ``priority`` (:mod:`deltastore.sync.priority`), with one at the calling thread's.
 
     ``agree`` (the layout path; a collective every rank enters): called after this rank's writes
     with whether they failed (then already rolled back), returns the ranks that failed. If any
@@ -328,7 +332,12 @@ def write_phase(
     try:
         error: Exception | None = None
         try:
-            words.write_all(writes, threads)
+            # no pause: whatever runs beside the sync keeps running, and so do the writes at
+            # the sync's priority; paused, they run at the calling thread's
+            lower = None if hooks.pause is not None or not priority else priority
+            words.write_all(
+                writes, threads, None if lower is None else partial(lower_current_thread, lower)
+            )
         except Exception as exc:
             if agree is None:
                 raise

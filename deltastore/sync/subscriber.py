@@ -506,7 +506,7 @@ class Subscriber(Generic[TensorT]):
             self._tensors, (st.update for st in staged), words=self._words
         )
         t1 = time.perf_counter()
-        write_phase(writes, self._hooks, threads=self._threads)
+        write_phase(writes, self._hooks, threads=self._threads, priority=self._frames.priority)
         self._set_state(m)
         return t1 - t0, time.perf_counter() - t1
 

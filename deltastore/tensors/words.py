@@ -17,7 +17,7 @@ into one reused int64 buffer that stays in cache (~15% over an int64 scatter ins
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -207,7 +207,11 @@ def expand(stored: np.ndarray) -> np.ndarray:
     return stored
 
 
-def write_all(writes: Sequence[Write], threads: int | None = None) -> None:
+def write_all(
+    writes: Sequence[Write],
+    threads: int | None = None,
+    initializer: Callable[[], object] | None = None,
+) -> None:
     """Put each write's new words (:meth:`Write.put`: a scatter, or a range write), in order,
     all or nothing: if a write fails, every write started (the failing one included) gets its
     old words back before the error is re-raised.
@@ -220,10 +224,11 @@ def write_all(writes: Sequence[Write], threads: int | None = None) -> None:
     Sparse XOR writes (the native :func:`xor_at`, which either raises before writing or
     completes) go first, spread over up to ``threads`` threads (default: the CPUs this process
     may run on; the kernel releases the GIL) when there are at least :data:`PARALLEL_WORDS`
-    of them; the others follow in order on the calling thread."""
+    of them; the others follow in order on the calling thread. ``initializer``: run first on
+    each of those threads (e.g. to lower its CPU priority)."""
     sparse = [w for w in writes if w.xor and not w.dense]
     others = [w for w in writes if not (w.xor and not w.dense)]
-    _xor_parallel(sparse, threads)
+    _xor_parallel(sparse, threads, initializer)
     done = 0
     try:
         for w in others:
@@ -236,7 +241,9 @@ def write_all(writes: Sequence[Write], threads: int | None = None) -> None:
         raise
 
 
-def _xor_parallel(writes: Sequence[Write], threads: int | None) -> None:
+def _xor_parallel(
+    writes: Sequence[Write], threads: int | None, initializer: Callable[[], object] | None
+) -> None:
     """Put sparse XOR ``writes`` on up to ``threads`` threads, each write whole on one thread
     (balanced by size); all or nothing: if one raises, every one that completed is undone
     and the first error re-raised."""
@@ -263,7 +270,9 @@ def _xor_parallel(writes: Sequence[Write], threads: int | None) -> None:
         if len(bins) == 1:
             put(0)
         else:
-            with ThreadPoolExecutor(len(bins), thread_name_prefix="deltastore-write") as pool:
+            with ThreadPoolExecutor(
+                len(bins), thread_name_prefix="deltastore-write", initializer=initializer
+            ) as pool:
                 for fut in [pool.submit(put, i) for i in range(len(bins))]:
                     fut.result()
     except BaseException:
