@@ -39,6 +39,7 @@ from deltastore.format.codecs import CodecSet
 from deltastore.format.manifest import manifest_key, state_digest
 from deltastore.store.base import validate_key
 from deltastore.tensors.dtypes import np_words
+from tests.helpers import patch_scatter
 
 SHAPES: dict[str, tuple[int, ...]] = {
     "model.embed_tokens.weight": (1000, 300),  # 300k elements, ~10 frames of 64 KiB
@@ -525,7 +526,7 @@ def test_failure_during_scatter_rolls_back(world: World, monkeypatch: pytest.Mon
             raise RuntimeError("injected failure in the 3rd scatter")
         real(local, positions, values)
 
-    monkeypatch.setattr(words_module, "scatter", flaky)
+    patch_scatter(monkeypatch, flaky)
     with pytest.raises(RuntimeError, match="injected"):
         world.sub.sync()
     assert len(calls) >= 4  # two scatters undone after the failing third
@@ -551,7 +552,7 @@ def test_partial_failing_scatter_is_rolled_back(
         if len(calls) == 3:
             raise RuntimeError("injected failure after the 3rd scatter wrote")
 
-    monkeypatch.setattr(words_module, "scatter", writes_then_fails)
+    patch_scatter(monkeypatch, writes_then_fails)
     with pytest.raises(RuntimeError, match="injected"):
         world.sub.sync()
     assert world.sub.version == 1

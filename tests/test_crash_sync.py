@@ -263,18 +263,18 @@ def install(point: str, n: int) -> None:
             xor_at(local, positions, masks)
 
         words.xor_at = xor_half
-        xor_all = words.xor_all
+        put_sparse = words.put_sparse  # the native sparse writes, a thread's at once
 
-        def xor_all_half(writes: Any) -> None:
-            for i, (local, positions, masks) in enumerate(writes):
+        def put_sparse_half(writes: Any) -> None:
+            for i, w in enumerate(writes):
                 if hit():
-                    xor_all(writes[:i])
-                    half = max(1, positions.size // 2)
-                    xor_at(local, positions[:half], masks[:half])
+                    put_sparse(writes[:i])
+                    half = max(1, w.positions.size // 2)
+                    scatter(w.local, w.positions[:half], w.new[:half])
                     die()
-            xor_all(writes)
+            put_sparse(writes)
 
-        words.xor_all = xor_all_half
+        words.put_sparse = put_sparse_half
     elif point == "record":  # written and flushed, the sidecar not yet replaced
         write_state = folders._write_state
 

@@ -20,6 +20,7 @@ from deltastore.layout.boxes import Layout
 from deltastore.layout.presets import ModelSpec, hf_shapes, padded_vocab, vllm_layout
 from deltastore.store import open_store
 from deltastore.testing.synthetic import AdamWTrajectory, ModelConfig
+from tests.helpers import patch_scatter
 from tests.test_stores_e2e import CountingStore
 
 VERSIONS = 5  # an anchor and 4 AdamW deltas
@@ -459,7 +460,7 @@ def test_pause_resume_around_writes(
             raise OSError("device lost")
         real(words, positions, values)
 
-    monkeypatch.setattr(words_module, "scatter", flaky)
+    patch_scatter(monkeypatch, flaky)
     sub = Subscriber(
         store,
         layout=engine_layout(QWEN3_MOE, ranks),
