@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,15 +79,3 @@ class ThreadRanks:
                 return out
 
         return View()
-
-
-def patch_scatter(monkeypatch: Any, scatter: Callable[[Any, Any, Any], None]) -> None:
-    """Send every sparse write of a write phase through ``scatter(local, positions, values)``
-    (a test's failing one): ``tensors.words.scatter`` and ``put_sparse``, the native writes of
-    host tensors (a thread's writes at once), which then call it write by write."""
-    import deltastore.tensors.words as words
-
-    monkeypatch.setattr(words, "scatter", scatter)
-    monkeypatch.setattr(
-        words, "put_sparse", lambda ws: [scatter(w.local, w.positions, w.new) for w in ws]
-    )

@@ -31,7 +31,6 @@ from deltastore.sync.apply import (
 )
 from deltastore.sync.fetch import frame_tasks
 from deltastore.tensors.words import Write
-from tests.helpers import patch_scatter
 
 
 def adler32(buf: np.ndarray | bytes) -> int:
@@ -162,7 +161,7 @@ def test_a_scatter_failing_halfway_is_rolled_back_and_resume_still_runs(
             raise OSError("device lost")
         real(t, positions, values)
 
-    patch_scatter(monkeypatch, flaky)
+    monkeypatch.setattr(words_module, "scatter", flaky)
     events: list[str] = []
     with pytest.raises(OSError, match="device lost"):
         write_phase(writes, Hooks(lambda: events.append("pause"), lambda: events.append("resume")))
@@ -186,7 +185,7 @@ def test_ranks_agree_on_the_write_phase(monkeypatch: pytest.MonkeyPatch) -> None
     def boom(t: torch.Tensor, positions: np.ndarray, values: np.ndarray) -> None:
         raise OSError("this rank failed")
 
-    patch_scatter(monkeypatch, boom)
+    monkeypatch.setattr(words_module, "scatter", boom)
     told.clear()
     with pytest.raises(OSError, match="this rank failed"):
         write_phase(writes, Hooks(), lambda failed_here: told.append(failed_here) or [0])

@@ -20,7 +20,6 @@ from deltastore.store import open_store
 from deltastore.sync.apply import Hooks, Sums, contribution, write_phase
 from deltastore.sync.fetch import BATCH_BYTES, Fetcher, FrameTask, Timer, batches, frame_tasks
 from deltastore.tensors.words import INT32_MAX, Write, compact, narrow, scatter
-from tests.helpers import patch_scatter
 
 
 def words_of(seed: int, n: int) -> np.ndarray:
@@ -75,7 +74,7 @@ def test_a_write_of_int32_positions_failing_halfway_is_rolled_back(
             raise OSError("device lost")
         real(t, positions, values)
 
-    patch_scatter(monkeypatch, flaky)
+    monkeypatch.setattr(words_module, "scatter", flaky)
     with pytest.raises(OSError, match="device lost"):
         write_phase(writes, Hooks())
     assert np.array_equal(local.numpy().view(np.uint16), before)

@@ -39,7 +39,6 @@ from deltastore.format.codecs import CodecSet
 from deltastore.format.manifest import manifest_key, state_digest
 from deltastore.store.base import validate_key
 from deltastore.tensors.dtypes import np_words
-from tests.helpers import patch_scatter
 
 SHAPES: dict[str, tuple[int, ...]] = {
     "model.embed_tokens.weight": (1000, 300),  # 300k elements, ~10 frames of 64 KiB
@@ -526,7 +525,7 @@ def test_failure_during_scatter_rolls_back(world: World, monkeypatch: pytest.Mon
             raise RuntimeError("injected failure in the 3rd scatter")
         real(local, positions, values)
 
-    patch_scatter(monkeypatch, flaky)
+    monkeypatch.setattr(words_module, "scatter", flaky)
     with pytest.raises(RuntimeError, match="injected"):
         world.sub.sync()
     assert len(calls) >= 4  # two scatters undone after the failing third
@@ -552,7 +551,7 @@ def test_partial_failing_scatter_is_rolled_back(
         if len(calls) == 3:
             raise RuntimeError("injected failure after the 3rd scatter wrote")
 
-    patch_scatter(monkeypatch, writes_then_fails)
+    monkeypatch.setattr(words_module, "scatter", writes_then_fails)
     with pytest.raises(RuntimeError, match="injected"):
         world.sub.sync()
     assert world.sub.version == 1

@@ -263,18 +263,18 @@ def install(point: str, n: int) -> None:
             xor_at(local, positions, masks)
 
         words.xor_at = xor_half
-        put_sparse = words.put_sparse  # the native sparse writes, a thread's at once
+        xor_all = words.xor_all
 
-        def put_sparse_half(writes: Any) -> None:
-            for i, w in enumerate(writes):
+        def xor_all_half(writes: Any) -> None:
+            for i, (local, positions, masks) in enumerate(writes):
                 if hit():
-                    put_sparse(writes[:i])
-                    half = max(1, w.positions.size // 2)
-                    scatter(w.local, w.positions[:half], w.new[:half])
+                    xor_all(writes[:i])
+                    half = max(1, positions.size // 2)
+                    xor_at(local, positions[:half], masks[:half])
                     die()
-            put_sparse(writes)
+            xor_all(writes)
 
-        words.put_sparse = put_sparse_half
+        words.xor_all = xor_all_half
     elif point == "record":  # written and flushed, the sidecar not yet replaced
         write_state = folders._write_state
 

@@ -24,7 +24,6 @@ from deltastore import (
     stack,
 )
 from deltastore.layout.boxes import Fuse, Part, Replicate, Shard, Stack, covered
-from tests.helpers import patch_scatter
 
 # --- index math: every placement agrees with the same expression evaluated by torch ops -----
 
@@ -205,14 +204,14 @@ def test_scatter_failure_midway_is_rolled_back(
     sub = Subscriber(tmp_path, layout=two_ranks())
     sub.sync()
     before = bits(sub.tensors)
-    patch_scatter(monkeypatch, flaky)
+    monkeypatch.setattr(deltastore.tensors.words, "scatter", flaky)
     failing = Subscriber(tmp_path, layout=two_ranks(), tensors=sub.tensors, version=0)
     pub.publish(v1, version=1)
     with pytest.raises(OSError, match="device lost"):
         failing.sync()
     assert failing.version == 0
     assert all(torch.equal(before[n], t.view(torch.int16)) for n, t in sub.tensors.items())
-    patch_scatter(monkeypatch, real)
+    monkeypatch.setattr(deltastore.tensors.words, "scatter", real)
     again = Subscriber(tmp_path, layout=two_ranks(), tensors=sub.tensors, version=0)
     again.sync()
     assert all(

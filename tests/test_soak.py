@@ -100,7 +100,6 @@ from deltastore.maintenance.verify import verify_store
 from deltastore.sync.subscriber import SyncReport
 from deltastore.testing.faults import FaultyStore, InjectedFault, Op
 from deltastore.testing.synthetic import AdamWTrajectory, ModelConfig
-from tests.helpers import patch_scatter
 from tests.test_crash_sync import kill_server
 from tests.test_presets import engine_layout, engine_reference, tp_ranks
 
@@ -866,7 +865,7 @@ def test_soak(
         "(DELTASTORE_SOAK_VERSIONS)"
     )
     flaky = FlakyScatter(deltastore.tensors.words.scatter)
-    patch_scatter(monkeypatch, flaky)
+    monkeypatch.setattr(deltastore.tensors.words, "scatter", flaky)
     soak = Soak(tmp_path, killer, flaky)
     soak.run()
     c = soak.counts

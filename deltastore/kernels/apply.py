@@ -121,15 +121,12 @@ def _walk(
     start: int,
     pos_out: Any,
     mask_out: Any,
-    old_out: Any,
     stage: bool,
 ) -> tuple[int, int, int, int]:
     """Decode the ``k`` changes of a checked content ``raw`` (uint8) of a frame of ``n``
-    elements of ``size`` bytes into ``pos_out`` and ``mask_out``. ``stage``: positions are
-    ``start + position``, the old words of ``words`` (the tensor's) are gathered into
-    ``old_out``, ``mask_out`` ends up holding the new words (old XOR mask) and the Adler-32
-    sums are accumulated; else frame-relative positions and the masks, no tensor read
-    (``old_out`` unused). Returns ``(status, sum d, sum j d_j,
+    elements of ``size`` bytes. ``stage``: positions go to ``pos_out`` as ``start + position``
+    and, with the old words of ``words`` (the tensor's), the Adler-32 sums are accumulated;
+    else frame-relative positions, no tensor read. Returns ``(status, sum d, sum j d_j,
     sum (position mod 65521) * d)`` (sums over every changed byte; zero unless staged)."""
     size = mask_out.itemsize  # a constant of each compiled specialization: loops unroll
     width = (low_bits + 7) // 8
@@ -139,6 +136,7 @@ def _walk(
     top = np.uint64((n - 1) >> low_bits)  # the largest high part of a gap inside the frame
     low_cap = np.uint64(1) << np.uint64(low_bits)
     shift = np.uint64(low_bits)
+    old = np.empty(BLOCK if stage else 0, dtype=np.uint64)
     esc = 0
     prev = -1
     total = 0
@@ -171,32 +169,33 @@ def _walk(
         if stage:
             _prefetch(words, start + pos)
         if stage and (i + 1) % BLOCK == 0:
-            t, js, ps = _sums(words, pos_out, mask_out, i + 1 - BLOCK, i + 1, old_out)
+            t, js, ps = _sums(words, pos_out, mask_out, i + 1 - BLOCK, i + 1, size, old)
             total, jsum, psum = total + t, jsum + js, psum + ps
     if esc != e:
         return ESCAPES_DISAGREE, 0, 0, 0
     if stage and k % BLOCK:
-        t, js, ps = _sums(words, pos_out, mask_out, k - k % BLOCK, k, old_out)
+        t, js, ps = _sums(words, pos_out, mask_out, k - k % BLOCK, k, size, old)
         total, jsum, psum = total + t, jsum + js, psum + ps
     return OK, total, jsum, psum
 
 
 @numba.njit(nogil=True, cache=True)
-def _sums(words: Any, pos: Any, masks: Any, lo: int, hi: int, old: Any) -> tuple[int, int, int]:
+def _sums(
+    words: Any, pos: Any, masks: Any, lo: int, hi: int, size: int, old: Any
+) -> tuple[int, int, int]:
     """The Adler-32 sums of :func:`_walk` over changes ``[lo, hi)`` (tensor positions
-    ``pos``): their old words are gathered first into ``old[lo:hi]``, in a loop of a few
-    instructions per change (many cache misses in flight at once), then summed, and
-    ``masks[lo:hi]`` turned into the new words."""
+    ``pos``, ``masks``): their old words are gathered first, in a loop of a few instructions
+    per change (many cache misses in flight at once), into ``old`` (scratch of at least
+    ``hi - lo`` words), then summed."""
     size = masks.itemsize  # a constant of each compiled specialization: loops unroll
     for i in range(lo, hi):
-        old[i] = words[pos[i]]
+        old[i - lo] = words[pos[i]]
     total = 0
     jsum = 0
     psum = 0
     for i in range(lo, hi):
-        was = np.uint64(old[i])
+        was = np.uint64(old[i - lo])
         now = was ^ np.uint64(masks[i])
-        masks[i] = now
         d = 0
         for j in range(size):
             s = np.uint64(8 * j)
@@ -222,92 +221,35 @@ def _xor_at(words: Any, positions: Any, masks: Any) -> None:
 
 
 @numba.njit(nogil=True, cache=True)
-def _store_at(words: Any, positions: Any, values: Any) -> None:
-    """``words[positions[i]] = values[i]`` for every ``i``, in order, prefetching as
-    :func:`_xor_at` (a store waits for no load: cheaper than an XOR in place)."""
-    k = positions.size
-    for i in range(min(AHEAD, k)):
-        _prefetch(words, positions[i])
-    for i in range(k):
-        if i + AHEAD < k:
-            _prefetch(words, positions[i + AHEAD])
-        words[positions[i]] = values[i]
-
-
-@numba.njit(nogil=True, cache=True)
-def _write_many(table: Any, pos_like: Any, val_like: Any, xor: bool, check: bool) -> int:
-    """:func:`_xor_at` (``xor``) or :func:`_store_at` of every row of ``table`` (int64: words
-    address, words count, positions address, values address, count); positions and values
-    of ``pos_like``'s and ``val_like``'s dtypes, words of ``val_like``'s. Every position is
-    ``check``: only check every position against its words, nothing written: the index of
-    the first row with one out of range, else -1."""
-    if check:
-        for r in range(table.shape[0]):
-            positions = carray(_voidptr(table[r, 2]), (table[r, 4],), pos_like.dtype)
-            for i in range(positions.size):
-                if positions[i] < 0 or positions[i] >= table[r, 1]:
-                    return r
-        return -1
+def _xor_many(table: Any, pos_like: Any, mask_like: Any) -> None:
+    """:func:`_xor_at` of every row of ``table`` (int64: words address, words count,
+    positions address, masks address, count); positions and masks of ``pos_like``'s and
+    ``mask_like``'s dtypes, words of ``mask_like``'s."""
     for r in range(table.shape[0]):
-        words = carray(_voidptr(table[r, 0]), (table[r, 1],), val_like.dtype)
+        words = carray(_voidptr(table[r, 0]), (table[r, 1],), mask_like.dtype)
         positions = carray(_voidptr(table[r, 2]), (table[r, 4],), pos_like.dtype)
-        values = carray(_voidptr(table[r, 3]), (table[r, 4],), val_like.dtype)
-        if xor:
-            _xor_at(words, positions, values)
-        else:
-            _store_at(words, positions, values)
-    return -1
+        masks = carray(_voidptr(table[r, 3]), (table[r, 4],), mask_like.dtype)
+        _xor_at(words, positions, masks)
 
 
-Triple = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
-def store_many(writes: list[Triple]) -> None:
-    """``local[positions] = values`` for every ``(local, positions, values)`` of ``writes``,
-    as :func:`write_many`."""
-    write_many([], writes)
-
-
-def xor_many(writes: list[Triple]) -> None:
-    """``local[positions] ^= masks`` for every ``(local, positions, masks)`` of ``writes``,
-    as :func:`write_many`."""
-    write_many(writes, [])
-
-
-def write_many(xors: list[Triple], stores: list[Triple]) -> None:
-    """XOR the masks of ``xors`` and store the values of ``stores``, each a list of
-    ``(local, positions, values)`` (1-D contiguous host words, int32/int64 positions, values
-    of the words' size), in one native call per kind of positions and words (the GIL released
-    once, not once per write). Every position is checked against its words before anything is
-    written (:class:`IndexError`, nothing written). Releases the GIL; not thread-safe for
-    overlapping positions."""
-    calls = []
-    for xor, writes in ((True, xors), (False, stores)):
-        groups: dict[tuple[str, str], list[Triple]] = {}
-        for local, positions, values in writes:
-            words = _words(local, values.dtype.itemsize)
+def xor_many(writes: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    """:func:`xor_at` of every ``(local, positions, masks)`` of ``writes`` in one native call
+    per kind of positions and words (the GIL released once, not once per write). Releases
+    the GIL; not thread-safe for overlapping positions."""
+    groups: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+    for local, positions, masks in writes:
+        key = (positions.dtype.str, masks.dtype.str)
+        groups.setdefault(key, []).append((_words(local, masks.dtype.itemsize), positions, masks))
+    for group in groups.values():
+        for words, positions, masks in group:
             if not (words.flags.c_contiguous and positions.flags.c_contiguous
-                    and values.flags.c_contiguous):  # fmt: skip
-                raise ValueError("a native write needs contiguous words, positions and values")
-            key = (positions.dtype.str, values.dtype.str)
-            groups.setdefault(key, []).append((words, positions, values))
-        for group in groups.values():
-            table = np.array(
-                [
-                    (w.ctypes.data, w.size, p.ctypes.data, v.ctypes.data, p.size)
-                    for w, p, v in group
-                ],
-                dtype=np.int64,
-            )
-            bad = _write_many(table, group[0][1][:0], group[0][2][:0], xor, True)
-            if bad >= 0:
-                raise IndexError(
-                    f"a write's positions fall outside its {group[bad][0].size} words; "
-                    "nothing was written"
-                )
-            calls.append((table, group, xor))
-    for table, group, xor in calls:
-        _write_many(table, group[0][1][:0], group[0][2][:0], xor, False)
+                    and masks.flags.c_contiguous):  # fmt: skip
+                raise ValueError("xor_many needs contiguous words, positions and masks")
+        table = np.array(
+            [(w.ctypes.data, w.size, p.ctypes.data, m.ctypes.data, p.size) for w, p, m in group],
+            dtype=np.int64,
+        )
+        _xor_many(table, group[0][1][:0], group[0][2][:0])
 
 
 def _words(local: np.ndarray, size: int) -> np.ndarray:
@@ -324,29 +266,25 @@ def stage_sparse2(
     local: np.ndarray,
     start: int,
     nbytes: int,
-) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, tuple[int, int]]:
+) -> tuple[int, np.ndarray, np.ndarray, tuple[int, int]]:
     """Decode the checked content ``raw`` of an ``xor-sparse2`` frame (header ``(k, e,
     low_bits)``, ``n`` elements) whose first element is element ``start`` of ``local`` (the
     tensor's 1-D contiguous host words, unsigned of the frame's word size, read only), and
-    stage it: ``(status, positions, old, new, (dA, dB))``. ``positions`` are
-    tensor-relative, ascending (int32 when ``local`` has at most 2^31 - 1 elements, else
-    int64), ``old`` / ``new`` the words there now and after the change (``local``'s dtype),
-    ``(dA, dB)`` the Adler-32 contribution (mod 65521) of the changes to the ``nbytes``-byte
-    tensor. ``status`` is :data:`OK` or the problem (:data:`PROBLEMS`; the arrays are then
-    not to be used). Releases the GIL."""
+    stage it: ``(status, positions, masks, (dA, dB))``. ``positions`` are tensor-relative,
+    ascending (int32 when ``local`` has at most 2^31 - 1 elements, else int64), ``masks``
+    the XOR masks (``local``'s dtype), ``(dA, dB)`` the Adler-32 contribution (mod 65521) of
+    the changes to the ``nbytes``-byte tensor. ``status`` is :data:`OK` or the problem
+    (:data:`PROBLEMS`; the arrays are then not to be used). Releases the GIL."""
     size = local.dtype.itemsize
     src = np.frombuffer(raw, dtype=np.uint8)
     pos = np.empty(k, dtype=np.int32 if local.size <= _INT32_MAX else np.int64)
-    new = np.empty(k, dtype=local.dtype)
-    old = np.empty(k, dtype=local.dtype)
-    status, total, jsum, psum = _walk(
-        src, k, e, low_bits, n, size, local, start, pos, new, old, True
-    )
+    masks = np.empty(k, dtype=local.dtype)
+    status, total, jsum, psum = _walk(src, k, e, low_bits, n, size, local, start, pos, masks, True)
     if status != OK:
-        return status, pos, old, new, (0, 0)
+        return status, pos, masks, (0, 0)
     da = total % MOD
     db = ((nbytes % MOD) * total - size * psum - jsum) % MOD
-    return OK, pos, old, new, (da, db)
+    return OK, pos, masks, (da, db)
 
 
 def decode_sparse2(
@@ -361,16 +299,15 @@ def decode_sparse2(
     pos = np.empty(k, dtype=np.int64)
     masks = np.empty(k, dtype=np.dtype(f"<u{size}"))
     dummy = np.empty(0, dtype=masks.dtype)
-    status = _walk(src, k, e, low_bits, n, size, dummy, 0, pos, masks, dummy, False)[0]
+    status = _walk(src, k, e, low_bits, n, size, dummy, 0, pos, masks, False)[0]
     return status, pos, masks
 
 
 def xor_at(local: np.ndarray, positions: np.ndarray, masks: np.ndarray) -> None:
     """XOR ``masks`` into ``local`` (1-D contiguous host words) at ``positions`` (int32 or
-    int64, checked: :class:`IndexError`, nothing written), in place; the same call again
-    undoes it. Releases the
+    int64, each in range: not checked), in place; the same call again undoes it. Releases the
     GIL; not thread-safe for overlapping positions."""
-    write_many([(local, positions, masks)], [])
+    _xor_at(_words(local, masks.dtype.itemsize), positions, masks)
 
 
 def warm() -> None:
@@ -380,11 +317,10 @@ def warm() -> None:
     Thread-safe; cheap after the first call."""
     words = np.zeros(2, dtype=np.uint16)
     raw = struct.pack("<IIB3s", 1, 0, 0, b"\0\0\0") + bytes([1, 1, 0])
-    status, pos, old, new, _ = stage_sparse2(raw, 1, 0, 0, 2, words, 0, 4)
+    status, pos, masks, _ = stage_sparse2(raw, 1, 0, 0, 2, words, 0, 4)
     if status == OK:
-        xor_at(words, pos, new)
-        xor_many([(words, pos, new)])
-        store_many([(words, pos, old)])
+        xor_at(words, pos, masks)
+        xor_many([(words, pos, masks)])
     decode_sparse2(raw, 1, 0, 0, 2, 2)
 
 
@@ -397,9 +333,7 @@ __all__ = [
     "ZERO_MASK",
     "decode_sparse2",
     "stage_sparse2",
-    "store_many",
     "warm",
-    "write_many",
     "xor_at",
     "xor_many",
 ]

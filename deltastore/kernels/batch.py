@@ -91,7 +91,6 @@ def _batch(
     frames: Any,
     pos_out: Any,
     mask_out: Any,
-    old_out: Any,
     sums: Any,
     scratch: Any,
     dctx: int,
@@ -101,8 +100,7 @@ def _batch(
 ) -> tuple[int, int]:
     """Stage every frame of ``frames`` (int64 rows: offset in ``span``, stored length, XXH3
     (as int64 bits), content size, n, first element, changed, words address, words count,
-    offset in ``pos_out`` / ``mask_out`` / ``old_out``: positions, new words, old words);
-    ``(status, index of the failing frame or -1)``."""
+    offset in ``pos_out`` / ``mask_out``); ``(status, index of the failing frame or -1)``."""
     size = mask_out.itemsize
     base = np.int64(span.ctypes.data)  # signed: uint64 + int64 would be float64 in numba
     dst = np.int64(scratch.ctypes.data)
@@ -127,7 +125,7 @@ def _batch(
         words = carray(_voidptr(addr), (numel,), mask_out.dtype)
         status, total, jsum, psum = _walk(
             raw, k, e, low_bits, n, size, words, start, pos_out[at : at + k],
-            mask_out[at : at + k], old_out[at : at + k], True,
+            mask_out[at : at + k], True,
         )  # fmt: skip
         if status != OK:
             return status, f
@@ -155,15 +153,14 @@ class BatchFrame:
 @dataclass(frozen=True)
 class BatchResult:
     """``status`` (0, or the failing frame's problem) and ``failed`` (its index, -1); per frame
-    ``i``: positions ``positions[offsets[i]:offsets[i + 1]]`` (tensor-relative), the old and
-    the new words there likewise, and ``sums[i]`` (sum d, sum j d_j, sum (position mod 65521) d; see
+    ``i``: positions ``positions[offsets[i]:offsets[i + 1]]`` (tensor-relative), masks
+    likewise, and ``sums[i]`` (sum d, sum j d_j, sum (position mod 65521) d; see
     :mod:`deltastore.kernels.apply`)."""
 
     status: int
     failed: int
     positions: np.ndarray
-    old: np.ndarray
-    new: np.ndarray
+    masks: np.ndarray
     offsets: np.ndarray
     sums: np.ndarray
 
@@ -179,8 +176,7 @@ def stage_batch(
     np.cumsum([fr.changed for fr in frames], out=offsets[1:])
     wide = any(fr.words.size >= 1 << 31 for fr in frames)
     positions = np.empty(int(offsets[-1]), dtype=np.int64 if wide else np.int32)
-    new = np.empty(int(offsets[-1]), dtype=dtype)
-    old = np.empty(int(offsets[-1]), dtype=dtype)
+    masks = np.empty(int(offsets[-1]), dtype=dtype)
     rows = np.array(
         [
             (
@@ -196,10 +192,10 @@ def stage_batch(
     sums = np.zeros((len(frames), 3), dtype=np.int64)
     src = np.frombuffer(span, dtype=np.uint8)
     status, failed = _batch(
-        src, rows, positions, new, old, sums, scratch, dctx.address, fns.decompress,
+        src, rows, positions, masks, sums, scratch, dctx.address, fns.decompress,
         fns.is_error, fns.xxh3,
     )  # fmt: skip
-    return BatchResult(int(status), int(failed), positions, old, new, offsets, sums)
+    return BatchResult(int(status), int(failed), positions, masks, offsets, sums)
 
 
 def warm() -> None:

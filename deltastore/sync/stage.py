@@ -85,8 +85,7 @@ def stage_frame(
 
     ``native`` (default): an ``xor-sparse2`` frame into host words is decoded, gathered and
     summed in one pass by :func:`deltastore.kernels.apply.stage_sparse2` (GIL released),
-    staged as its positions and old and new words (int32 positions where the tensor allows:
-    8 bytes per bf16 change), written by a native scatter; False:
+    staged as its positions and masks only (an XOR write, :class:`Update` ``xor``); False:
     the numpy path above, the reference the kernel is tested against."""
     name, entry, f = task.name, task.entry, task.frame
     size = itemsize(entry.dtype)
@@ -260,8 +259,9 @@ def _native_run(
         if frame_adler != f.adler32:
             raise _mismatch(task, frame_adler)
         a, b = int(res.offsets[i]), int(res.offsets[i + 1])
-        update = Update(name, 0, res.positions[a:b], res.old[a:b], res.new[a:b])
-        out.append(Staged(update, sums, frame_adler))
+        masks = res.masks[a:b]
+        out.append(Staged(Update(name, 0, res.positions[a:b], masks, masks, xor=True), sums,
+                          frame_adler))  # fmt: skip
     return out
 
 
@@ -315,7 +315,7 @@ def frame_changes(
 
 def _stage_sparse2(host: np.ndarray, task: FrameTask, data: bytes, dec: FrameDecoder) -> Staged:
     """:func:`stage_frame` of an ``xor-sparse2`` frame into host words, by the native kernel:
-    the update is the frame's tensor positions and the old and new words there."""
+    the update is the frame's tensor positions and XOR masks, written by an in-place XOR."""
     from deltastore.kernels import apply as kernel  # numba: loaded on the first sparse frame
 
     name, entry, f = task.name, task.entry, task.frame
@@ -323,7 +323,7 @@ def _stage_sparse2(host: np.ndarray, task: FrameTask, data: bytes, dec: FrameDec
     n = f.stop - f.start
     raw, k, e, low_bits = dec.sparse2_content(data, n, size, f.changed)
     words = host.view(word_dtype(size))
-    status, pos, old, new, (da, db) = kernel.stage_sparse2(
+    status, pos, masks, (da, db) = kernel.stage_sparse2(
         raw, k, e, low_bits, n, words, f.start, entry.nbytes
     )
     del raw
@@ -339,7 +339,7 @@ def _stage_sparse2(host: np.ndarray, task: FrameTask, data: bytes, dec: FrameDec
             f"the manifest says {f.adler32:08x}; the tensors are not at the frame's parent "
             "or the frame is damaged"
         )
-    return Staged(Update(name, 0, pos, old, new), sums, frame_adler)
+    return Staged(Update(name, 0, pos, masks, masks, xor=True), sums, frame_adler)
 
 
 __all__ = ["Staged", "check_frames", "frame_changes", "stage_batch", "stage_frame"]

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 #: Positions converted to int64 per step when scattering narrower ones (512 KiB: in L2).
 STEP = 1 << 16
 INT32_MAX = (1 << 31) - 1
-#: Fewest changed words of native sparse writes that :func:`write_all` spreads over threads.
+#: Fewest changed words of sparse XOR writes that :func:`write_all` spreads over threads.
 PARALLEL_WORDS = 1 << 18
 
 
@@ -113,10 +113,8 @@ def scatter(local: Words, positions: np.ndarray, values: np.ndarray) -> None:
     host = host_view(local)
     if host is not None:
         dest = host.view(values.dtype)
-        if positions.dtype.kind == "i" and dest.flags.c_contiguous:
-            from deltastore.kernels.apply import store_many  # numba: loaded on first use
-
-            store_many([(dest, positions, values)])
+        if positions.dtype == np.intp:
+            dest[positions] = values
             return
         buf = np.empty(min(STEP, positions.size), dtype=np.intp)
         gaps, base = positions.dtype.kind == "u", 0
@@ -174,28 +172,19 @@ def xor_at(local: Words, positions: np.ndarray, masks: np.ndarray) -> None:
     kernel(host, positions, masks)
 
 
-def put_sparse(writes: Sequence[Write]) -> None:
-    """The new words of sparse writes into host words (:func:`native`), in one native call
-    per kind of positions and words (:func:`deltastore.kernels.apply.store_many`: the GIL is
-    released once, not once per write); every ``local`` is checked to be host words and
-    every position to be in range first (nothing written otherwise)."""
-    stores: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    for w in writes:
-        host = host_view(w.local)
-        if host is None or not native(w):
-            raise TypeError("a native sparse write needs host words and int32/int64 positions")
-        stores.append((host, w.positions, w.new))
-    from deltastore.kernels.apply import store_many  # numba: loaded on first use
+def xor_all(writes: Sequence[tuple[Words, np.ndarray, np.ndarray]]) -> None:
+    """:func:`xor_at` of every ``(local, positions, masks)``, in one native call per kind of
+    words (:func:`deltastore.kernels.apply.xor_many`: the GIL is released once, not once per
+    write); every ``local`` is checked to be host words first (TypeError: nothing written)."""
+    hosts = []
+    for local, positions, masks in writes:
+        host = host_view(local)
+        if host is None:
+            raise TypeError("an in-place XOR write needs host words")
+        hosts.append((host, positions, masks))
+    from deltastore.kernels.apply import xor_many  # numba: loaded on first use
 
-    store_many(stores)
-
-
-def native(w: Write) -> bool:
-    """Whether ``w`` is a sparse write of new words that :func:`put_sparse` can do: int32/int64
-    positions (not :func:`compact` gaps) into words that are not on a device."""
-    if w.dense or w.xor or w.positions.dtype.kind != "i":
-        return False
-    return isinstance(w.local, np.ndarray) or w.local.device.type == "cpu"
+    xor_many(hosts)
 
 
 def narrow(positions: np.ndarray, numel: int) -> np.ndarray:
@@ -232,15 +221,14 @@ def write_all(
     the old words, so it is idempotent: a write that failed halfway is undone like a complete
     one. The pause is pure scatters.
 
-    Sparse writes into host words with int32/int64 positions (:func:`native`; done by
-    :func:`put_sparse`, which checks every position first, then raises with nothing written
-    or completes) go first, spread over up to ``threads`` threads (default: the CPUs this process
+    Sparse XOR writes (the native :func:`xor_at`, which either raises before writing or
+    completes) go first, spread over up to ``threads`` threads (default: the CPUs this process
     may run on; the kernel releases the GIL) when there are at least :data:`PARALLEL_WORDS`
     of them; the others follow in order on the calling thread. ``initializer``: run first on
     each of those threads (e.g. to lower its CPU priority)."""
-    sparse = [w for w in writes if native(w)]
-    others = [w for w in writes if not native(w)]
-    _native_parallel(sparse, threads, initializer)
+    sparse = [w for w in writes if w.xor and not w.dense]
+    others = [w for w in writes if not (w.xor and not w.dense)]
+    _xor_parallel(sparse, threads, initializer)
     done = 0
     try:
         for w in others:
@@ -253,11 +241,10 @@ def write_all(
         raise
 
 
-def _native_parallel(
+def _xor_parallel(
     writes: Sequence[Write], threads: int | None, initializer: Callable[[], object] | None
 ) -> None:
-    """Put native sparse ``writes`` (:func:`native`) on up to ``threads`` threads, each write
-    whole on one thread
+    """Put sparse XOR ``writes`` on up to ``threads`` threads, each write whole on one thread
     (balanced by size); all or nothing: if one raises, every one that completed is undone
     and the first error re-raised."""
     total = sum(w.new.size for w in writes)
@@ -273,9 +260,11 @@ def _native_parallel(
             i = loads.index(min(loads))
             bins[i].append(w)
             loads[i] += w.new.size
+    finished: list[list[Write]] = [[] for _ in bins]
 
     def put(i: int) -> None:
-        put_sparse(bins[i])
+        xor_all([(w.local, w.positions, w.new) for w in bins[i]])  # all, or none written
+        finished[i].extend(bins[i])
 
     try:
         if len(bins) == 1:
@@ -287,9 +276,7 @@ def _native_parallel(
                 for fut in [pool.submit(put, i) for i in range(len(bins))]:
                     fut.result()
     except BaseException:
-        # stores of new words: putting the old words back where a write may not have
-        # reached yet changes nothing, so every write is restored, not only those finished
-        restore_all(writes)
+        restore_all([w for done in finished for w in done])
         raise
 
 
