@@ -19,20 +19,19 @@ if TYPE_CHECKING:
     from deltastore.bench.report import (
         PlotUnavailable,
         check_plot,
-        load_result,
         markdown,
         performance_doc,
         plot,
     )
     from deltastore.bench.runner import BenchOptions, StoreUnavailable, run_bench
-    from deltastore.bench.schema import SCHEMA_VERSION, SYSTEMS, BenchResult
+    from deltastore.bench.schema import SCHEMA_VERSION, SYSTEMS, BenchResult, load_result
     from deltastore.bench.worker import WorkerError
     from deltastore.bench.workload import SIZES, Workload, WorkloadSpec, default_workdir
 
 _EXPORTS = {
     "PlotUnavailable": "deltastore.bench.report",
     "check_plot": "deltastore.bench.report",
-    "load_result": "deltastore.bench.report",
+    "load_result": "deltastore.bench.schema",
     "markdown": "deltastore.bench.report",
     "performance_doc": "deltastore.bench.report",
     "plot": "deltastore.bench.report",

@@ -20,8 +20,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import ValidationError
-
+from deltastore.bench.crossover_report import (
+    crossover_section,
+    crossover_summary,
+    is_crossover_json,
+    load_crossover,
+)
+from deltastore.bench.crossover_schema import CrossoverResult
 from deltastore.bench.fmt import measured as _measured
 from deltastore.bench.fmt import nbytes as _bytes
 from deltastore.bench.fmt import pct as _pct
@@ -32,9 +37,15 @@ from deltastore.bench.limits import LIMITS_AND_PITFALLS
 from deltastore.bench.plot import PlotUnavailable as PlotUnavailable
 from deltastore.bench.plot import check_plot as check_plot
 from deltastore.bench.plot import plot as plot
-from deltastore.bench.schema import BASELINES, SCHEMA_VERSION, BenchResult, StoreResult
+from deltastore.bench.schema import (
+    BASELINES,
+    BenchResult,
+    StoreResult,
+    load_result,
+)
 from deltastore.bench.trainer_report import (
-    is_trainer_json,
+    is_trainer_file,
+    load_trainer_result,
     trainer_command,
     trainer_left,
     trainer_markdown,
@@ -454,30 +465,40 @@ def performance_doc(
     runs: Sequence[tuple[BenchResult, str | os.PathLike[str]]],
     doc: str | os.PathLike[str] = "docs/performance.md",
     trainers: Sequence[tuple[TrainerResult, str | os.PathLike[str]]] = (),
+    crossovers: Sequence[tuple[CrossoverResult, str | os.PathLike[str]]] = (),
 ) -> str:
     """``docs/performance.md`` from results JSONs, each a ``(result, path)``: where the numbers
     come from, a summary, what is left, each run's full report (every system, the strongest
     baselines named, the floors, ratios, each check; a run through a shaped link beside the
     loopback one), the machines, and the measured limits the code rests on. ``trainers``:
     trainer-in-the-loop runs (``--mode trainer``), each with its summary, what is left and its
-    report. Links are relative to ``doc``, the path the page is written to."""
+    report; ``crossovers``: crossover runs (``--mode crossover``). Links are relative to
+    ``doc``, the path the page is written to."""
     if not runs:
         raise ValueError("performance_doc needs at least one run")
     readme = _link(Path(__file__).resolve().parents[2] / "benchmarks" / "README.md", doc)
-    sources = " ".join(Path(src).as_posix() for _, src in [*runs, *trainers])
-    listed = [
-        f"- {_label(r)}: `deltastore bench --size {r.workload.size}`, {r.workload.versions} "
-        f"AdamW versions of a {r.workload.elements / 1e6:.0f}M-element bf16 model, "
-        f"[{Path(src).name}]({_link(src, doc)}) (schema version {r.schema_version}, "
-        f"{r.created[:10]}); machine: {_machine(r)}."
-        for r, src in runs
-    ] + [
-        f"- trainer in the loop, {t.size}, AdamW {t.optimizer}: `deltastore bench --mode "
-        f"trainer --optimizer {t.optimizer}`, {t.versions} "
-        f"AdamW {t.optimizer} steps of a {t.elements / 1e6:.0f}M-parameter fp32 trainer, each "
-        f"followed by a publish, [{Path(src).name}]({_link(src, doc)}) ({t.created[:10]})."
-        for t, src in trainers
-    ]
+    sources = " ".join(Path(src).as_posix() for _, src in [*runs, *trainers, *crossovers])
+    listed = (
+        [
+            f"- {_label(r)}: `deltastore bench --size {r.workload.size}`, {r.workload.versions} "
+            f"AdamW versions of a {r.workload.elements / 1e6:.0f}M-element bf16 model, "
+            f"[{Path(src).name}]({_link(src, doc)}) (schema version {r.schema_version}, "
+            f"{r.created[:10]}); machine: {_machine(r)}."
+            for r, src in runs
+        ]
+        + [
+            f"- trainer in the loop, {t.size}, AdamW {t.optimizer}: `deltastore bench --mode "
+            f"trainer --optimizer {t.optimizer}`, {t.versions} "
+            f"AdamW {t.optimizer} steps of a {t.elements / 1e6:.0f}M-parameter fp32 trainer, each "
+            f"followed by a publish, [{Path(src).name}]({_link(src, doc)}) ({t.created[:10]})."
+            for t, src in trainers
+        ]
+        + [
+            f"- crossover density, {c.size}: `deltastore bench --mode crossover --size {c.size}`, "
+            f"[{Path(src).name}]({_link(src, doc)}) ({c.created[:10]})."
+            for c, src in crossovers
+        ]
+    )
     out = [
         "# Performance",
         "",
@@ -509,6 +530,7 @@ def performance_doc(
     for t, _ in trainers:
         out += [f"### trainer in the loop, {t.size}, AdamW {t.optimizer}", ""]
         out += [*trainer_summary(t), ""]
+    out += [crossover_summary(c) for c, _ in crossovers] + ([""] if crossovers else [])
     out += ["## What is left", ""]
     for r, _ in runs:
         out += [f"### {_label(r)}", "", *_left(r), ""]
@@ -524,25 +546,13 @@ def performance_doc(
             "",
         ]
         out += [trainer_markdown(t, level=3).rstrip("\n"), ""]
+    for c, _ in crossovers:
+        out += [*crossover_section(c), ""]
     out += ["## Measured limits and pitfalls", "", LIMITS_AND_PITFALLS.strip(), ""]
     return "\n".join(out)
 
 
 # --- command line --------------------------------------------------------------------------
-
-
-def load_result(path: str | os.PathLike[str]) -> BenchResult:
-    """A results JSON; :class:`ValueError` naming the schema version when it is not one this
-    code reads."""
-    raw = Path(path).read_text()
-    try:
-        return BenchResult.model_validate_json(raw)
-    except ValidationError as exc:
-        raise ValueError(
-            f"{path} is not a results JSON of schema version {SCHEMA_VERSION} "
-            f"(deltastore bench --json writes one): {exc.error_count()} errors, "
-            f"first: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}"
-        ) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -564,8 +574,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        trainers = [(load_trainer_result(p), p) for p in args.results if _is_trainer(p)]
-        runs = [(load_result(p), p) for p in args.results if not _is_trainer(p)]
+        trainers = [(load_trainer_result(p), p) for p in args.results if is_trainer_file(p)]
+        crossovers = [(load_crossover(p), p) for p in args.results if is_crossover_json(p)]
+        runs = [
+            (load_result(p), p)
+            for p in args.results
+            if not is_trainer_file(p) and not is_crossover_json(p)
+        ]
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -573,24 +588,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         texts = [markdown(r) for r, _ in runs] + [trainer_markdown(t) for t, _ in trainers]
         sys.stdout.write("\n".join(texts))
     else:
-        args.performance_doc.write_text(performance_doc(runs, args.performance_doc, trainers))
+        args.performance_doc.write_text(
+            performance_doc(runs, args.performance_doc, trainers, crossovers)
+        )
     return 0
-
-
-def _is_trainer(path: Path) -> bool:
-    return path.is_file() and is_trainer_json(path.read_text())
-
-
-def load_trainer_result(path: str | os.PathLike[str]) -> TrainerResult:
-    """A trainer-in-the-loop results JSON (``deltastore bench --mode trainer --json``)."""
-    try:
-        return TrainerResult.model_validate_json(Path(path).read_text())
-    except ValidationError as exc:
-        raise ValueError(
-            f"{path} is not a trainer results JSON of schema version 1: "
-            f"{exc.error_count()} errors, first: {exc.errors()[0]['loc']}: "
-            f"{exc.errors()[0]['msg']}"
-        ) from None
 
 
 if __name__ == "__main__":

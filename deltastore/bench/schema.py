@@ -25,9 +25,11 @@ existed read with it None.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 SCHEMA_VERSION = 2
 
@@ -407,3 +409,17 @@ class BenchResult(_Model):
     exact: bool
     skipped: list[str]
     wall_s: float
+
+
+def load_result(path: str | os.PathLike[str]) -> BenchResult:
+    """A results JSON; :class:`ValueError` naming the schema version when it is not one this
+    code reads."""
+    raw = Path(path).read_text()
+    try:
+        return BenchResult.model_validate_json(raw)
+    except ValidationError as exc:
+        raise ValueError(
+            f"{path} is not a results JSON of schema version {SCHEMA_VERSION} "
+            f"(deltastore bench --json writes one): {exc.error_count()} errors, "
+            f"first: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}"
+        ) from None

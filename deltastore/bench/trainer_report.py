@@ -13,6 +13,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from deltastore.bench.trainer_schema import PublisherRun, TrainerResult
 
 
@@ -226,3 +228,20 @@ def trainer_command(result: TrainerResult, source: str | os.PathLike[str]) -> st
         f"{result.versions} --warmup {result.warmup} --optimizer {result.optimizer} "
         f"--json {Path(source).as_posix()}"
     )
+
+
+def is_trainer_file(path: Path) -> bool:
+    """Whether ``path`` is a file holding a trainer-in-the-loop results JSON."""
+    return path.is_file() and is_trainer_json(path.read_text())
+
+
+def load_trainer_result(path: str | os.PathLike[str]) -> TrainerResult:
+    """A trainer-in-the-loop results JSON (``deltastore bench --mode trainer --json``)."""
+    try:
+        return TrainerResult.model_validate_json(Path(path).read_text())
+    except ValidationError as exc:
+        raise ValueError(
+            f"{path} is not a trainer results JSON of schema version 1: "
+            f"{exc.error_count()} errors, first: {exc.errors()[0]['loc']}: "
+            f"{exc.errors()[0]['msg']}"
+        ) from None
