@@ -234,8 +234,9 @@ def test_importing_the_publisher_does_not_import_numba() -> None:
 def test_warm_loads_the_kernels_and_encoders_start_it() -> None:
     detect.warm()  # every 2-byte kernel, packed and plain scatter included: no error
     FrameEncoders(None, 1)  # starts the daemon thread at most once per process
-    from deltastore.publish import encode
+    from deltastore.kernels import warming
 
-    assert encode._warming is not None
-    encode._warming.join(timeout=60)
-    assert not encode._warming.is_alive()
+    thread = warming("deltastore.kernels.detect")
+    assert thread is not None
+    thread.join(timeout=60)
+    assert not thread.is_alive()

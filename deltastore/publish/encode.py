@@ -33,6 +33,7 @@ from deltastore.format.checksum import adler32, apply_delta, delta_sums
 from deltastore.format.codecs import NEW_WORDS_CODECS, RAW, Codec, CodecSet, FrameEncoder
 from deltastore.format.codecs.v2 import V1_MAX_CHANGES
 from deltastore.format.manifest import Frame
+from deltastore.kernels import warm_in_background
 from deltastore.publish.snapshot import BITMAP_DENSITY, FrameChange, HeldFrame, PackedMasks
 
 log = logging.getLogger("deltastore.publish.publisher")
@@ -126,7 +127,7 @@ class FrameEncoders:
         self._native = NATIVE if native is None else native
         self._local = threading.local()
         if self._native:
-            _warm_kernels()
+            warm_in_background("deltastore.kernels.detect")
 
     def _encoder(self) -> FrameEncoder:
         enc: FrameEncoder | None = getattr(self._local, "encoder", None)
@@ -279,28 +280,6 @@ class FrameEncoders:
                 held += w
             while ahead:
                 yield ahead.popleft()[0].result()
-
-
-_warming: threading.Thread | None = None
-
-
-def _warm_kernels() -> None:
-    """Load the native kernels on a daemon thread (once per process), so that the first delta
-    a publisher encodes does not wait for them (:func:`deltastore.kernels.detect.warm`)."""
-    global _warming
-    if _warming is not None:
-        return
-
-    def warm() -> None:
-        try:
-            from deltastore.kernels.detect import warm as load
-
-            load()
-        except Exception as exc:  # the first frame loads them again, and reports the problem
-            log.debug("could not load the detect kernels ahead of time: %s", exc)
-
-    _warming = threading.Thread(target=warm, name="deltastore-warm-detect", daemon=True)
-    _warming.start()
 
 
 def _words(job: FrameJob) -> int:

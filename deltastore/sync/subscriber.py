@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from deltastore.format.dtypes import itemsize, word_dtype
 from deltastore.format.manifest import Manifest
 from deltastore.format.ratios import SizeRatios
 from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys
+from deltastore.kernels import warm_in_background
 from deltastore.layout.boxes import Layout
 from deltastore.progress import ProgressFn
 from deltastore.store import Store, open_store
@@ -202,7 +202,7 @@ class Subscriber(Generic[TensorT]):
         # where tensors allocated here go; the default needs no torch until they are
         self._device: str | torch.device = "cpu" if device == "cpu" else _torch_device(device)
         self._max_frame_bytes = max_frame_bytes
-        _warm_kernels()
+        warm_in_background("deltastore.kernels.batch")
         self._frames = Fetcher(
             self._io, max_workers, max_inflight_bytes, check_priority(priority), threads=threads
         )
@@ -623,28 +623,6 @@ class Subscriber(Generic[TensorT]):
         self._tensors = target
         self._set_state(m)
         return time.perf_counter() - t0
-
-
-_warming: threading.Thread | None = None
-
-
-def _warm_kernels() -> None:
-    """Load the native decode kernel on a daemon thread (once per process), so that the first
-    delta a subscriber applies does not wait for it (:func:`deltastore.kernels.batch.warm`)."""
-    global _warming
-    if _warming is not None:
-        return
-
-    def warm() -> None:
-        try:
-            from deltastore.kernels.batch import warm as load
-
-            load()
-        except Exception as exc:  # the first frame loads it again, and reports the problem
-            log.debug("could not load the decode kernel ahead of time: %s", exc)
-
-    _warming = threading.Thread(target=warm, name="deltastore-warm", daemon=True)
-    _warming.start()
 
 
 def _torch_device(device: str | torch.device) -> torch.device:
