@@ -34,8 +34,12 @@ from tests.helpers import folder_bytes
 ROOT = Path(__file__).parent.parent
 
 WORKER = """
-    import shutil, sys, time
+    import shutil, signal, sys, time
     from deltastore.checkpoint.folders import FolderSync
+
+    # Python's own handler (KeyboardInterrupt), also where the worker was started with SIGINT
+    # ignored (a background job of a shell without job control inherits SIG_IGN)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     store, pristine, dest = sys.argv[1:4]
 
