@@ -282,9 +282,15 @@ def stage_sparse2(
     status, total, jsum, psum = _walk(src, k, e, low_bits, n, size, local, start, pos, masks, True)
     if status != OK:
         return status, pos, masks, (0, 0)
-    da = total % MOD
-    db = ((nbytes % MOD) * total - size * psum - jsum) % MOD
-    return OK, pos, masks, (da, db)
+    return OK, pos, masks, reduce_sums((total, jsum, psum), size, nbytes)
+
+
+def reduce_sums(raw: Any, size: int, nbytes: int) -> tuple[int, int]:
+    """``(dA, dB)`` (mod 65521) of a frame's changes to an ``nbytes``-byte tensor of
+    ``size``-byte words, from the kernel's ``(sum d, sum j d_j, sum (position mod 65521) d)``
+    (:func:`_walk`; also a row of :func:`deltastore.kernels.batch.stage_batch`'s sums)."""
+    total, jsum, psum = (int(v) for v in raw)
+    return total % MOD, ((nbytes % MOD) * total - size * psum - jsum) % MOD
 
 
 def decode_sparse2(
@@ -332,6 +338,7 @@ __all__ = [
     "PROBLEMS",
     "ZERO_MASK",
     "decode_sparse2",
+    "reduce_sums",
     "stage_sparse2",
     "warm",
     "xor_at",

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from deltastore.errors import FrameError, IntegrityError, ManifestError
-from deltastore.format.checksum import MOD, adler32
+from deltastore.format.checksum import adler32
 from deltastore.format.codecs import Changes, FrameDecoder, codec_spec, stored_bound
 from deltastore.format.codecs.v2 import XOR_SPARSE2
 from deltastore.format.codecs.zstdframe import MAX_WINDOW_SIZE
@@ -126,22 +126,14 @@ def stage_frame(
             pos, old, new = pos[order], old[order], new[order]
     sums = contribution(pos, old, new, entry.nbytes)  # of the tensor
     if frame_adler is None:
-        if f.parent_adler32 is None:
-            raise ManifestError(f"{name}: {f.codec} frame without parent_adler32")
-        frame_adler = sums.within(n * size, f.start * size, entry.nbytes).applied_to(
-            f.parent_adler32
-        )
-    elif delta and pos.size != f.changed:  # an anchor may land on any older state
+        return Staged(Update(name, 0, narrow(pos, f.stop), old, new), sums, _checked(task, sums))
+    if delta and pos.size != f.changed:  # an anchor may land on any older state
         raise FrameError(
             f"{name}[{f.start}:{f.stop}]: frame changes {pos.size} elements, "
             f"the manifest says {f.changed}"
         )
     if frame_adler != f.adler32:
-        raise IntegrityError(
-            f"{name}[{f.start}:{f.stop}]: decoded frame has Adler-32 {frame_adler:08x}, "
-            f"the manifest says {f.adler32:08x}; the tensors are not at the frame's parent "
-            "or the frame is damaged"
-        )
+        raise _mismatch(task, frame_adler)
     update = Update(name, 0, narrow(pos, f.stop), old, new)
     return Staged(update, sums, frame_adler)
 
@@ -247,17 +239,9 @@ def _native_run(
         raise _problem(task, res.status)
     out = []
     for i, task in enumerate(tasks):
-        name, entry, f = task.name, task.entry, task.frame
-        size, n = _size(task), f.stop - f.start
-        total, jsum, psum = (int(v) for v in res.sums[i])
-        sums = Sums(total % MOD, ((entry.nbytes % MOD) * total - size * psum - jsum) % MOD)
-        if f.parent_adler32 is None:
-            raise ManifestError(f"{name}: {f.codec} frame without parent_adler32")
-        frame_adler = sums.within(n * size, f.start * size, entry.nbytes).applied_to(
-            f.parent_adler32
-        )
-        if frame_adler != f.adler32:
-            raise _mismatch(task, frame_adler)
+        name = task.name
+        sums = Sums(*kernel.reduce_sums(res.sums[i], _size(task), task.entry.nbytes))
+        frame_adler = _checked(task, sums)
         a, b = int(res.offsets[i]), int(res.offsets[i + 1])
         masks = res.masks[a:b]
         out.append(Staged(Update(name, 0, res.positions[a:b], masks, masks, xor=True), sums,
@@ -284,6 +268,21 @@ def _problem(task: FrameTask, status: int) -> Exception:
             "declares in its content"
         )
     return FrameError(f"{where} {kernel.PROBLEMS[status]}")
+
+
+def _checked(task: FrameTask, sums: Sums) -> int:
+    """The Adler-32 of a frame of sparse changes, from its ``parent_adler32`` and their
+    contribution ``sums`` to the tensor; :class:`ManifestError` without a parent checksum,
+    :class:`IntegrityError` unless it is the manifest's."""
+    entry, f = task.entry, task.frame
+    if f.parent_adler32 is None:
+        raise ManifestError(f"{task.name}: {f.codec} frame without parent_adler32")
+    size = itemsize(entry.dtype)
+    frame = sums.within((f.stop - f.start) * size, f.start * size, entry.nbytes)
+    frame_adler = frame.applied_to(f.parent_adler32)
+    if frame_adler != f.adler32:
+        raise _mismatch(task, frame_adler)
+    return frame_adler
 
 
 def _mismatch(task: FrameTask, frame_adler: int) -> IntegrityError:
@@ -329,17 +328,8 @@ def _stage_sparse2(host: np.ndarray, task: FrameTask, data: bytes, dec: FrameDec
     del raw
     if status != kernel.OK:
         raise FrameError(f"{name}[{f.start}:{f.stop}]: {XOR_SPARSE2} {kernel.PROBLEMS[status]}")
-    if f.parent_adler32 is None:
-        raise ManifestError(f"{name}: {f.codec} frame without parent_adler32")
     sums = Sums(da, db)
-    frame_adler = sums.within(n * size, f.start * size, entry.nbytes).applied_to(f.parent_adler32)
-    if frame_adler != f.adler32:
-        raise IntegrityError(
-            f"{name}[{f.start}:{f.stop}]: decoded frame has Adler-32 {frame_adler:08x}, "
-            f"the manifest says {f.adler32:08x}; the tensors are not at the frame's parent "
-            "or the frame is damaged"
-        )
-    return Staged(Update(name, 0, pos, masks, masks, xor=True), sums, frame_adler)
+    return Staged(Update(name, 0, pos, masks, masks, xor=True), sums, _checked(task, sums))
 
 
 __all__ = ["Staged", "check_frames", "frame_changes", "stage_batch", "stage_frame"]
