@@ -5,7 +5,8 @@ Public API, what the guide's and the README's examples import from ``deltastore`
 :class:`Store` interface and :class:`LocalStore`, layouts (:class:`Layout`, ``replicate``,
 ``shard``, ``fuse``, ``stack``), the sharded writers (:class:`ModuleWriter` and its
 :class:`ResumeReport`, :class:`ShardWriter`, :class:`RowSlice`, :func:`commit_parts`),
-:class:`SigningKey`, :class:`Manifest`, and every error of
+:class:`Ed25519Key` and :class:`PublicKey` (manifest signatures; :class:`SigningKey`: HMAC,
+for old stores), :class:`Manifest`, and every error of
 :mod:`deltastore.errors` (the list is that module's ``__all__``). Everything else stays in its
 sub-package: checkpoint folders in :mod:`deltastore.checkpoint`, ``verify_store`` and the
 other upkeep in :mod:`deltastore.maintenance`, the vLLM presets in :mod:`deltastore.layout`,
@@ -29,6 +30,8 @@ from deltastore._version import __version__ as __version__
 
 if TYPE_CHECKING:
     from deltastore.errors import *  # noqa: F403 - every name of errors.__all__
+    from deltastore.format.ed25519 import Ed25519Key as Ed25519Key
+    from deltastore.format.ed25519 import PublicKey as PublicKey
     from deltastore.format.manifest import Manifest as Manifest
     from deltastore.format.signing import SigningKey as SigningKey
     from deltastore.layout.boxes import Layout as Layout
@@ -53,6 +56,8 @@ if TYPE_CHECKING:
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(_errors.__all__, "deltastore.errors"),
     "Manifest": "deltastore.format.manifest",
+    "Ed25519Key": "deltastore.format.ed25519",
+    "PublicKey": "deltastore.format.ed25519",
     "SigningKey": "deltastore.format.signing",
     "Layout": "deltastore.layout.boxes",
     "fuse": "deltastore.layout.boxes",

@@ -32,9 +32,10 @@ def s3_endpoint() -> Iterator[str]:
 
 @pytest.fixture(autouse=True)
 def _no_signing_key_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests set keys explicitly; a DELTASTORE_SIGNING_KEY exported in the developer's shell
-    would otherwise make every unsigned store unreadable."""
+    """Tests set keys explicitly; a DELTASTORE_SIGNING_KEY or DELTASTORE_TRUSTED_KEYS exported
+    in the developer's shell would otherwise make every unsigned store unreadable."""
     monkeypatch.delenv("DELTASTORE_SIGNING_KEY", raising=False)
+    monkeypatch.delenv("DELTASTORE_TRUSTED_KEYS", raising=False)
 
 
 @pytest.fixture(scope="module")

@@ -269,7 +269,7 @@ DAMAGES = {
     "unsigned": (lambda r: _edit_signature(r, 3, drop=True), "not signed"),
     "wrong-secret": (lambda r: _resign(r, 3, SigningKey(KEY.key_id, OTHER_SECRET)), "not match"),
     "unknown-key-id": (lambda r: _resign(r, 3, SigningKey("intruder", SECRET)), "intruder"),
-    "renamed-key-id": (lambda r: _edit_signature(r, 3, key_id="other"), "does not hold"),
+    "renamed-key-id": (lambda r: _edit_signature(r, 3, key_id="other"), "does not trust"),
     "flipped-hmac": (
         lambda r: _edit_signature(r, 3, hmac_sha256="0" * 64),
         "not match",
@@ -343,10 +343,17 @@ def test_hmac_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_key_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     vs = versions()
-    monkeypatch.setenv(SIGNING_KEY_ENV, f"trainer-2026:{base64.b64encode(SECRET).decode()}")
+    legacy = f"trainer-2026:{base64.b64encode(SECRET).decode()}"
+    monkeypatch.setenv(SIGNING_KEY_ENV, legacy)
+    with pytest.raises(ValueError, match="explicit request") as refused:
+        Publisher(tmp_path, **OPTIONS)  # HMAC signs only when asked for by name
+    assert_secret_absent(str(refused.value))
+    monkeypatch.setenv(SIGNING_KEY_ENV, legacy.replace(":", ":hmac:", 1))
     Publisher(tmp_path, **OPTIONS).publish(vs[0], version=1)
     m = parse_manifest(manifest_bytes(tmp_path, 1))
     assert m.signature is not None and m.signature.key_id == "trainer-2026"
+    assert Subscriber(tmp_path).sync().version == 1
+    monkeypatch.setenv(SIGNING_KEY_ENV, legacy)  # readers still take the old form
     assert Subscriber(tmp_path).sync().version == 1
     # signing_key=None turns the check off even with the variable set
     unsigned = tmp_path / "unsigned"
@@ -371,7 +378,7 @@ def test_key_rotation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     old, new = KEY, SigningKey("trainer-2027", OTHER_SECRET)
     Publisher(tmp_path, signing_key=old, **OPTIONS).publish(vs[0], version=1)
     monkeypatch.setenv(
-        SIGNING_KEY_ENV, f"trainer-2027:{OTHER_SECRET.hex()},trainer-2026:{SECRET.hex()}"
+        SIGNING_KEY_ENV, f"trainer-2027:hmac:{OTHER_SECRET.hex()},trainer-2026:hmac:{SECRET.hex()}"
     )
     pub = Publisher(tmp_path, **OPTIONS)
     assert pub.attach(vs[0]) == 1

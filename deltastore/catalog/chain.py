@@ -52,7 +52,7 @@ from deltastore.format.keys import (
     version_of_key,
 )
 from deltastore.format.manifest import Manifest, parse_latest, parse_manifest
-from deltastore.format.signing import SignatureError, SigningKey, verify_manifest
+from deltastore.format.signing import SignatureError, Verifier, verify_manifest
 from deltastore.store import Store
 from deltastore.store.counting import concurrently
 
@@ -129,7 +129,7 @@ class ChainReader:
     costs no store request.
     """
 
-    def __init__(self, store: Store, *, keys: Sequence[SigningKey] = (), cache: int = 32) -> None:
+    def __init__(self, store: Store, *, keys: Sequence[Verifier] = (), cache: int = 32) -> None:
         if cache < 0:
             raise ValueError(f"cache must be 0 or more, got {cache!r}")
         self.store = store

@@ -8,8 +8,9 @@ Parsing is strict (``extra="forbid"``, no type coercion) and checks every invari
 ``docs/spec/format-v1.md`` that can be checked without the data. Models are frozen and safe to
 share between threads.
 
-A manifest may carry a ``signature`` (HMAC-SHA256 over :meth:`Manifest.canonical_bytes`, see
-:mod:`deltastore.format.signing`); it is the one optional field, absent in unsigned manifests.
+A manifest may carry a ``signature`` (Ed25519, or HMAC-SHA256 for old stores, over
+:meth:`Manifest.canonical_bytes`, see :mod:`deltastore.format.signing`), absent in unsigned
+manifests; its frames may carry ``blake3`` (required in every frame under Ed25519).
 
 ``python -m deltastore.format.schema --write PATH`` regenerates the JSON Schema (``make schema``).
 """
@@ -110,11 +111,31 @@ class Writer(_Model):
     library: Annotated[str, Field(max_length=64)]
 
 
+def _absent(value: object) -> bool:
+    return value is None
+
+
 class Signature(_Model):
-    """HMAC-SHA256 (hex) of the manifest's canonical bytes with the key named ``key_id``."""
+    """A signature of the manifest's canonical bytes by the key named ``key_id``: exactly one
+    of ``ed25519`` (RFC 8032, 64 bytes as 128 lowercase hex digits) and ``hmac_sha256``
+    (HMAC-SHA256, 64 hex digits; readable for old stores). The absent one is omitted."""
 
     key_id: Annotated[str, Field(pattern=KEY_ID_PATTERN)]
-    hmac_sha256: Digest
+    ed25519: Annotated[str, Field(pattern=r"^[0-9a-f]{128}$")] | None = Field(
+        default=None, exclude_if=_absent
+    )
+    hmac_sha256: Digest | None = Field(default=None, exclude_if=_absent)
+
+    @model_validator(mode="after")
+    def _one(self) -> Signature:
+        if (self.ed25519 is None) == (self.hmac_sha256 is None):
+            raise ValueError("a signature holds exactly one of ed25519 and hmac_sha256")
+        return self
+
+    @property
+    def algorithm(self) -> Literal["ed25519", "hmac_sha256"]:
+        """``"ed25519"`` or ``"hmac_sha256"``: the member it holds."""
+        return "ed25519" if self.ed25519 is not None else "hmac_sha256"
 
 
 class Frame(_Model):
@@ -130,6 +151,9 @@ class Frame(_Model):
     changed: Count
     adler32: U32
     parent_adler32: U32 | None
+    #: BLAKE3-256 (hex) of the stored bytes; in every frame of an Ed25519-signed manifest,
+    #: optional elsewhere, omitted when absent (spec section 6.7).
+    blake3: Digest | None = Field(default=None, exclude_if=_absent)
 
     @model_validator(mode="after")
     def _check(self) -> Frame:
@@ -248,6 +272,12 @@ class Manifest(_Model, SizeRatios):
                     raise ValueError(f"{name}: anchor frames must cover every element in order")
                 if any(f.codec not in NEW_WORDS_CODECS for f in t.frames):
                     raise ValueError(f"{name}: anchor frames must use the raw or raw-planes codec")
+        if self.signature is not None and self.signature.ed25519 is not None:
+            for name, t in self.tensors.items():
+                if any(f.blake3 is None for f in t.frames):
+                    raise ValueError(
+                        f"{name}: a manifest signed with ed25519 carries blake3 in every frame"
+                    )
         if (
             state_digest((n, t.dtype, t.shape, t.adler32) for n, t in self.tensors.items())
             != self.state_digest
@@ -423,7 +453,8 @@ def json_schema() -> str:
     # optional, but never null: omitted from unsigned manifests
     schema["properties"]["signature"] = {
         "$ref": "#/$defs/Signature",
-        "description": "Optional HMAC-SHA256 of the canonical manifest bytes (spec 6.7)",
+        "description": "Optional Ed25519 (or HMAC-SHA256) signature of the canonical manifest "
+        "bytes (spec 6.7)",
     }
     # every member of `tensors` is a tensor entry under a valid name (no patternProperties,
     # which would let any other name through with any value)
@@ -435,6 +466,30 @@ def json_schema() -> str:
         "type": "object",
     }
     schema["$defs"]["Writer"]["properties"]["library"]["pattern"] = r"^[^\ud800-\udfff]*$"
+    # optional members are omitted when absent, never null
+    defs = schema["$defs"]
+    for model, member in (
+        ("Signature", "ed25519"),
+        ("Signature", "hmac_sha256"),
+        ("Frame", "blake3"),
+    ):
+        prop = defs[model]["properties"][member]
+        defs[model]["properties"][member] = {**prop["anyOf"][0], "title": prop["title"]}
+    defs["Signature"]["oneOf"] = [{"required": ["ed25519"]}, {"required": ["hmac_sha256"]}]
+    # an Ed25519 signature binds every frame by its BLAKE3
+    schema["if"] = {
+        "properties": {"signature": {"required": ["ed25519"]}},
+        "required": ["signature"],
+    }
+    schema["then"] = {
+        "properties": {
+            "tensors": {
+                "additionalProperties": {
+                    "properties": {"frames": {"items": {"required": ["blake3"]}}}
+                }
+            }
+        }
+    }
     schema["$comment"] = _SCHEMA_COMMENT
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["$id"] = "https://deltastore.dev/schema/manifest.v1.schema.json"

@@ -13,7 +13,7 @@ from typing import Any
 from deltastore.catalog.chain import ChainReader
 from deltastore.format.manifest import Manifest
 from deltastore.format.ratios import SizeRatios
-from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys
+from deltastore.format.signing import FROM_ENV, KeyOption, resolve_trust
 from deltastore.store import Store, open_store
 
 
@@ -31,7 +31,9 @@ class ManifestReader(ChainReader):
         storage_options: dict[str, Any] | None = None,
         signing_key: KeyOption = FROM_ENV,
     ) -> None:
-        super().__init__(open_store(url, storage_options), keys=resolve_keys(signing_key))
+        super().__init__(
+            open_store(url, storage_options), keys=resolve_trust(FROM_ENV, signing_key)
+        )
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ def version_log(
 ) -> list[VersionSummary]:
     """Committed versions, newest first (at most ``limit``), read from their manifests; which
     of them carry an anchor copy comes from one listing of ``anchors/``."""
-    reader = ChainReader(open_store(url, storage_options), keys=resolve_keys(FROM_ENV))
+    reader = ChainReader(open_store(url, storage_options), keys=resolve_trust(FROM_ENV))
     versions = reader.versions()[::-1]
     copies = set(reader.anchor_versions())
     out = []
@@ -102,7 +104,7 @@ def show_manifest(
     storage_options: dict[str, Any] | None = None,
 ) -> Manifest:
     """The checked manifest of ``version`` (``deltastore show``)."""
-    reader = ChainReader(open_store(url, storage_options), keys=resolve_keys(FROM_ENV))
+    reader = ChainReader(open_store(url, storage_options), keys=resolve_trust(FROM_ENV))
     return reader.manifest(version)
 
 

@@ -48,7 +48,7 @@ from deltastore.format.manifest import (
     state_digest,
     validation_summary,
 )
-from deltastore.format.signing import SigningKey, sign_manifest
+from deltastore.format.signing import Signer, sign_manifest
 from deltastore.publish.policy import AnchorCosts
 from deltastore.store import Store
 from deltastore.store.counting import concurrently
@@ -113,7 +113,7 @@ def commit_manifest(
     parent: Parent | None,
     entries: dict[str, TensorEntry],
     token: str,
-    signing_key: SigningKey | None = None,
+    signing_key: Signer | None = None,
 ) -> tuple[Manifest, bytes]:
     """Build the manifest of ``version`` (signed with ``signing_key`` when given) and create it
     with ``put_if_absent`` (the commit point); returns it and its bytes. Nothing is written
@@ -145,7 +145,7 @@ def build_manifest(
     parent: Parent | None,
     entries: dict[str, TensorEntry],
     token: str,
-    signing_key: SigningKey | None = None,
+    signing_key: Signer | None = None,
 ) -> tuple[Manifest, bytes]:
     """The manifest of ``version`` (signed with ``signing_key`` when given) and its bytes;
     ``ValidationError`` when the model rejects it, :class:`ManifestError` when it is over the
@@ -177,7 +177,7 @@ def write_anchor_copy(
     version: int,
     entries: dict[str, TensorEntry],
     token: str,
-    signing_key: SigningKey | None = None,
+    signing_key: Signer | None = None,
 ) -> Manifest | None:
     """After ``version`` is committed: create its anchor copy ``anchors/<version>.json``
     (an anchor manifest of the same state, spec section 9.4) with ``put_if_absent``. As
@@ -364,7 +364,7 @@ def commit_version(
     parent: Parent | None,
     entries: dict[str, TensorEntry],
     token: str,
-    signing_key: SigningKey | None,
+    signing_key: Signer | None,
     enforced: bool,
     check: Callable[[], object],
     copy_entries: dict[str, TensorEntry] | None = None,

@@ -79,9 +79,12 @@ class FullFrame:
     data: bytes
     xxh3: str
 
-    def frame(self, start: int, stop: int, obj: str, offset: int, adler: int) -> Frame:
+    def frame(
+        self, start: int, stop: int, obj: str, offset: int, adler: int, blake3: str | None
+    ) -> Frame:
         """Its manifest entry in the anchor copy: elements ``[start, stop)`` (global), stored
-        at ``offset`` of data object ``obj``, ``adler`` the Adler-32 of its new words."""
+        at ``offset`` of data object ``obj``, ``adler`` the Adler-32 of its new words,
+        ``blake3`` the BLAKE3 of its stored bytes (None: not recorded)."""
         return Frame(
             start=start,
             stop=stop,
@@ -93,6 +96,7 @@ class FullFrame:
             changed=stop - start,
             adler32=adler,
             parent_adler32=None,
+            blake3=blake3,
         )
 
 

@@ -48,7 +48,7 @@ from deltastore.format.manifest import (
     parse_manifest,
 )
 from deltastore.format.ratios import SizeRatios
-from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys, verify_manifest
+from deltastore.format.signing import FROM_ENV, Ed25519Key, KeyOption, resolve_keys, verify_manifest
 from deltastore.progress import ProgressFn, Ticker
 from deltastore.publish.commit import (
     Committed,
@@ -213,6 +213,8 @@ class ChainWriter:
         self.unsafe_commits = unsafe_commits
         self.token = uuid.uuid4().hex
         self._signing = resolve_keys(signing_key)  # signs with the first; attach checks any
+        # an Ed25519 signature binds each frame by its BLAKE3 (spec section 6.7)
+        self._frame_digests = bool(self._signing) and isinstance(self._signing[0], Ed25519Key)
         self._max_frame_bytes = max_frame_bytes
         self._max_object_bytes = max_object_bytes
         self._encoders = FrameEncoders(zstd_level, max_workers, codecs)
@@ -343,10 +345,10 @@ class ChainWriter:
         pending = Pending(rows=dict(rows or {}), copy_entries={} if full else None)
         prefix = f"{data_prefix(version)}{self.token[:12]}-"
         uploads = Uploads(self._io, pending)
-        packs = PackWriter(uploads, prefix, self._max_object_bytes)
+        packs = PackWriter(uploads, prefix, self._max_object_bytes, self._frame_digests)
         dense = sum(w.nbytes for w in host.values()) if full else 0
         copy_size = copy_object_bytes(self._max_object_bytes, dense)
-        copy_packs = PackWriter(uploads, f"{prefix}anchor-", copy_size)
+        copy_packs = PackWriter(uploads, f"{prefix}anchor-", copy_size, self._frame_digests)
         try:
             self._pack(host, specs, parent_state, kind, progress, rows, pending, packs, copy_packs)
         except BaseException:
@@ -403,7 +405,7 @@ class ChainWriter:
                     pending.detect_s += out.detect_s
                     pending.encode_s += out.encode_s
                     if out.data is not None:
-                        obj, offset = packs.add(out.data)  # may upload a full object
+                        obj, offset, b3 = packs.add(out.data)  # may upload a full object
                         frames.append(
                             Frame(
                                 start=start + a,
@@ -416,12 +418,13 @@ class ChainWriter:
                                 changed=out.changed,
                                 adler32=out.adler,
                                 parent_adler32=None if prev is None else prev.frame_adler[i],
+                                blake3=b3,
                             )
                         )
                         pending.codecs[out.codec] = pending.codecs.get(out.codec, 0) + 1
                     if out.full is not None:
-                        obj, offset = copy_packs.add(out.full.data)
-                        entry = out.full.frame(start + a, start + b, obj, offset, out.adler)
+                        obj, offset, b3 = copy_packs.add(out.full.data)
+                        entry = out.full.frame(start + a, start + b, obj, offset, out.adler, b3)
                         copy_frames.append(entry)
                     if prev is not None and out.change is not None:
                         pending.updates.append(HeldChange(prev.words[a:b], out.change))

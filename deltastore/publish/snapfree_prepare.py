@@ -129,10 +129,10 @@ def prepare(
     starts = {n: row_range(items[n].spec[1], rows[n])[0] for n in decision.modes} if rows else {}
     prefix = f"{data_prefix(version)}{w.token[:12]}-"
     uploads = Uploads(w._io, pending)
-    packs = PackWriter(uploads, prefix, w._max_object_bytes)
+    packs = PackWriter(uploads, prefix, w._max_object_bytes, w._frame_digests)
     dense = sum(it.local.numel() * it.local.element_size() for it in items.values())
     copy_size = copy_object_bytes(w._max_object_bytes, dense)
-    copy_packs = PackWriter(uploads, f"{prefix}anchor-", copy_size)
+    copy_packs = PackWriter(uploads, f"{prefix}anchor-", copy_size, w._frame_digests)
     encoders = w._encoders
     parent_sums = (
         {n: (state[n].frame_adler, state[n].adler) for n in decision.modes}

@@ -265,8 +265,8 @@ class SnapshotFree:
         grids: Mapping[str, list[tuple[int, int]]],
         starts: Mapping[str, int],
         parent_adler: Mapping[str, tuple[list[int], int]] | None,
-        add: Callable[[bytes], tuple[str, int]],
-        add_copy: Callable[[bytes], tuple[str, int]],
+        add: Callable[[bytes], tuple[str, int, str | None]],
+        add_copy: Callable[[bytes], tuple[str, int, str | None]],
         entries: dict[str, TensorEntry],
         frame_adler: dict[str, list[int]],
         copy_entries: dict[str, TensorEntry] | None,
@@ -290,7 +290,7 @@ class SnapshotFree:
                 r = next(results)
                 pa = parent[0][i] if parent is not None else None
                 if r.data is not None:
-                    obj, offset = add(r.data)
+                    obj, offset, b3 = add(r.data)
                     frames.append(
                         Frame(
                             start=start + a,
@@ -303,12 +303,13 @@ class SnapshotFree:
                             changed=r.changed,
                             adler32=r.adler,
                             parent_adler32=pa,
+                            blake3=b3,
                         )
                     )
                     codecs[r.codec] = codecs.get(r.codec, 0) + 1
                 if r.full is not None:
-                    obj, offset = add_copy(r.full.data)
-                    copies.append(r.full.frame(start + a, start + b, obj, offset, r.adler))
+                    obj, offset, b3 = add_copy(r.full.data)
+                    copies.append(r.full.frame(start + a, start + b, obj, offset, r.adler, b3))
                 out.verified += r.verified
                 out.raw += r.raw
                 out.uncertain += r.uncertain

@@ -18,6 +18,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
+from deltastore.format.ed25519 import frame_digest
 from deltastore.store import Store
 
 #: Data objects uploaded at once.
@@ -98,10 +99,14 @@ class PackWriter:
     Each frame is copied into the object's buffer as it is added (the caller may drop it),
     and the buffer becomes the object without another copy (:meth:`io.BytesIO.getvalue`
     hands over its bytes once they fill it): an object costs about its own size while it is
-    packed, not twice (its frames, then their join)."""
+    packed, not twice (its frames, then their join). ``digests``: :meth:`add` also returns
+    each frame's BLAKE3 (for an Ed25519-signed manifest; else None). One thread adds."""
 
-    def __init__(self, uploads: Uploads, prefix: str, max_bytes: int) -> None:
+    def __init__(
+        self, uploads: Uploads, prefix: str, max_bytes: int, digests: bool = False
+    ) -> None:
         self._uploads, self._prefix, self._max = uploads, prefix, max_bytes
+        self._digests = digests
         self._buf = io.BytesIO()
         self._size = 0
         self._seq = 0
@@ -110,11 +115,12 @@ class PackWriter:
     def key(self) -> str:
         return f"{self._prefix}{self._seq:06d}.dsz"
 
-    def add(self, data: bytes) -> tuple[str, int]:
-        """Queue ``data``; return the (object key, offset) it will be stored at."""
+    def add(self, data: bytes) -> tuple[str, int, str | None]:
+        """Queue ``data``; return the object key and offset it will be stored at, and its
+        BLAKE3 (hex; None without ``digests``)."""
         if self._size and self._size + len(data) > self._max:
             self.flush()
-        where = (self.key, self._size)
+        where = (self.key, self._size, frame_digest(data) if self._digests else None)
         self._buf.write(data)
         self._size += len(data)
         return where

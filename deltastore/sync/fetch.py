@@ -19,6 +19,7 @@ import xxhash
 
 from deltastore.errors import DeltastoreError, FrameError, IntegrityError
 from deltastore.format.codecs import FrameDecoder
+from deltastore.format.ed25519 import frame_digest
 from deltastore.format.manifest import Frame, Manifest, TensorEntry
 from deltastore.progress import ProgressFn, Ticker
 from deltastore.store import Store
@@ -339,9 +340,24 @@ class Fetcher:
 
 
 def check_xxh3(f: Frame, data: bytes | memoryview) -> None:
-    """Raise :class:`IntegrityError` unless ``data`` has the frame's XXH3-64."""
+    """Raise :class:`IntegrityError` unless ``data`` has the frame's XXH3-64 and, when the
+    frame records one (Ed25519-signed manifests), its BLAKE3 (:func:`check_blake3`)."""
     if xxhash.xxh3_64_hexdigest(data) != f.xxh3:
         raise corrupted(f)
+    check_blake3(f, data)
+
+
+def check_blake3(f: Frame, data: bytes | memoryview) -> None:
+    """Raise :class:`IntegrityError` unless ``data`` has the BLAKE3 the frame records (no
+    check when it records none). Under a signed manifest, a mismatch means the stored bytes
+    were replaced or damaged: they are never decoded."""
+    if f.blake3 is not None and frame_digest(data) != f.blake3:
+        raise IntegrityError(
+            f"{f.object}: frame at offset {f.offset} does not have the BLAKE3 its signed "
+            "manifest records: the data object was replaced or damaged after it was "
+            "published; nothing of this version was applied. Restore the object or wait "
+            "for a newer version"
+        )
 
 
 def corrupted(f: Frame) -> IntegrityError:

@@ -23,7 +23,7 @@ from deltastore.format.codecs.zstdframe import MAX_WINDOW_SIZE
 from deltastore.format.dtypes import itemsize, word_dtype
 from deltastore.format.manifest import Manifest
 from deltastore.sync.apply import Sums, Update, contribution, stage_at, stage_run
-from deltastore.sync.fetch import FrameTask, check_xxh3, corrupted
+from deltastore.sync.fetch import FrameTask, check_blake3, check_xxh3, corrupted
 from deltastore.tensors.host import Words
 from deltastore.tensors.words import host_view, narrow
 
@@ -220,6 +220,7 @@ def _native_run(
     for local, task, at in zip(locals_, tasks, offsets, strict=True):
         f, size = task.frame, _size(task)
         data = view[at : at + f.length]
+        check_blake3(f, data)  # a signed frame's bytes, before the kernel reads them
         try:
             content = dec.sparse2_precheck(data, f.stop - f.start, size, f.changed)
         except FrameError:

@@ -41,7 +41,7 @@ from deltastore.format.codecs import MAX_FRAME_BYTES, FrameDecoder
 from deltastore.format.dtypes import itemsize, word_dtype
 from deltastore.format.manifest import Manifest
 from deltastore.format.ratios import SizeRatios
-from deltastore.format.signing import FROM_ENV, KeyOption, resolve_keys
+from deltastore.format.signing import FROM_ENV, KeyOption, TrustOption, resolve_trust
 from deltastore.kernels import warm_in_background
 from deltastore.layout.boxes import Layout
 from deltastore.progress import ProgressFn
@@ -139,11 +139,15 @@ class Subscriber(Generic[TensorT]):
     only when every rank verified. With a group, every rank calls :meth:`sync` and
     :meth:`verify` together (they are collectives); the target of ``sync()`` is rank 0's.
     ``pause`` / ``resume``: called around the write phase (e.g. to pause the engine's
-    generation); ``resume`` is called even when writing fails. ``signing_key``: a
-    :class:`~deltastore.SigningKey` (or several, during a key rotation); every manifest
-    must then be signed with one of them for its own version, checked before any frame is
-    fetched (:class:`~deltastore.SignatureError`). Default: ``DELTASTORE_SIGNING_KEY``
-    if set; None: signatures are not checked.
+    generation); ``resume`` is called even when writing fails. ``trusted_keys``: the
+    writers' :class:`~deltastore.PublicKey` s (several during a key rotation; key text or
+    ``@<path>`` also), default ``DELTASTORE_TRUSTED_KEYS``; ``signing_key``: HMAC
+    :class:`~deltastore.SigningKey` s of old stores, default ``DELTASTORE_SIGNING_KEY``.
+    With any key, every manifest and anchor copy must be signed by one of them for its own
+    version, checked before any frame is fetched (:class:`~deltastore.SignatureError`), and
+    each frame of an Ed25519-signed version is checked against its BLAKE3 before it is
+    decoded (:class:`~deltastore.IntegrityError`). No key (both None or unset): signatures
+    are not checked.
 
     ``reader_id`` / ``lease_ttl``: the subscriber keeps a lease ``leases/<reader_id>.json`` on
     the versions it needs (written before a sync fetches from an older base and after each
@@ -176,6 +180,7 @@ class Subscriber(Generic[TensorT]):
         group: Any | None = None,
         pause: Callable[[], None] | None = None,
         resume: Callable[[], None] | None = None,
+        trusted_keys: TrustOption = FROM_ENV,
         signing_key: KeyOption = FROM_ENV,
         reader_id: str | None = None,
         lease_ttl: float | None = DEFAULT_LEASE_TTL_S,
@@ -210,7 +215,7 @@ class Subscriber(Generic[TensorT]):
         self._lease = LeaseKeeper(self._io, reader_id, lease_ttl if self._group.rank == 0 else None)
         self._hooks = Hooks(pause, resume)
         self._layout = None if layout is None and group is None else LayoutSync(layout, self._group)
-        self._chain = ChainReader(self._io, keys=resolve_keys(signing_key))
+        self._chain = ChainReader(self._io, keys=resolve_trust(trusted_keys, signing_key))
         if version is not None:  # a poll lists only after it
             self._chain.note(version)
 
