@@ -8,6 +8,16 @@ words and one stored frame (plus the decoder's buffers), whatever the model size
 version's parent is not the version last replayed (a branch), the parent is replayed again
 from its anchor. Frames the fast pass found missing or damaged are skipped: that tensor is not
 replayed again until the next anchor.
+
+Anchor copies (format v1 section 9.4): a copy that starts a version's chain (its parent is gone)
+stands in for that version in :meth:`Replay.run`; every other copy is replayed on its own by
+:meth:`Replay.run_copies`, after the chains, one tensor at a time into a fresh buffer (the
+chain's buffer is dropped first: memory stays one tensor and one frame). A copy holds its
+version's state (same ``state_digest``, so the same per-tensor Adler-32), so replaying it
+checks it against its version. Its problems name the copy's key and say what to do.
+
+One thread: a :class:`Replay` is used by one caller, :meth:`~Replay.run` then
+:meth:`~Replay.run_copies`.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from deltastore.errors import FrameError, ObjectNotFoundError
 from deltastore.format.checksum import adler32
 from deltastore.format.codecs import FrameDecoder
 from deltastore.format.dtypes import itemsize, word_dtype
-from deltastore.format.keys import manifest_key
+from deltastore.format.keys import anchor_key, manifest_key
 from deltastore.format.manifest import Frame, Manifest, TensorEntry
 from deltastore.progress import Ticker
 from deltastore.store import Store
@@ -35,6 +45,21 @@ ADLER32: Final = "adler32"
 Report = Callable[[str, int, str, str, str], object]
 
 
+def copy_hint(version: int, *, start: bool = False) -> str:
+    """What to do about a damaged anchor copy of ``version`` (appended to its problems).
+    ``start``: the copy starts its version's chain (the versions below are gone)."""
+    key = anchor_key(version)
+    if start:
+        return (
+            f"; the chain below version {version} is gone, so version {version} and those "
+            "after it cannot be pulled from scratch: publish an anchor"
+        )
+    return (
+        f"; a pull skips the copy and falls back to the chain below it; delete {key}, then "
+        "`deltastore gc --orphans` removes its data objects"
+    )
+
+
 class Replay:
     """Deep check: replay each tensor's chain in memory, one tensor at a time."""
 
@@ -45,9 +70,13 @@ class Replay:
         bad: set[tuple[str, int]],
         report: Report,
         ticker: Ticker,
+        starts: frozenset[int] = frozenset(),
     ) -> None:
+        """``manifests``: what to replay, by version; for the versions in ``starts`` it holds
+        the version's anchor copy (its chain starts there). ``bad``: ``(object, offset)`` of
+        the frames the fast pass found missing or damaged (skipped, already reported)."""
         self.store, self.manifests, self.bad = store, manifests, bad
-        self.report, self.ticker = report, ticker
+        self.report, self.ticker, self.starts = report, ticker, starts
         self.found = 0
         self.dec = FrameDecoder()
         self.nbytes = 0
@@ -68,13 +97,30 @@ class Replay:
                     state = None  # drop it before another copy is rebuilt
                 buf = self._base(name, m, entry, state[1] if state else None, failed)
                 before = self.found
-                if buf is not None and self._apply(name, m, entry, buf, report=True):
+                copy = v in self.starts
+                if buf is not None and self._apply(name, m, entry, buf, report=True, copy=copy):
                     state = (v, buf)
                     checked += 1
                     continue
                 state = None
                 failed.add(v)
                 unverified += self.found == before  # not reached: a problem upstream
+        return checked, unverified
+
+    def run_copies(self, copies: dict[int, Manifest]) -> tuple[int, int]:
+        """Replay each anchor copy (by version; not those in ``starts``, replayed by
+        :meth:`run`) on its own, one tensor at a time: (tensor checksums checked, (copy,
+        tensor) pairs not reached because of a frame the fast pass reported)."""
+        checked = unverified = 0
+        for _, c in sorted(copies.items()):
+            for name, entry in c.tensors.items():
+                buf = np.zeros(entry.numel, dtype=word_dtype(itemsize(entry.dtype)))
+                before = self.found
+                if self._apply(name, c, entry, buf, report=True, copy=True):
+                    checked += 1
+                else:
+                    unverified += self.found == before
+                del buf
         return checked, unverified
 
     def _base(
@@ -106,7 +152,8 @@ class Replay:
             return None
         buf = np.zeros(entry.numel, dtype=words)
         for step in reversed(chain):  # already checked (and reported) on their own turn
-            if not self._apply(name, step, step.tensors[name], buf, report=False):
+            copy = step.version in self.starts
+            if not self._apply(name, step, step.tensors[name], buf, report=False, copy=copy):
                 return None
         return buf
 
@@ -117,14 +164,24 @@ class Replay:
         return False
 
     def _apply(
-        self, name: str, m: Manifest, entry: TensorEntry, buf: np.ndarray, *, report: bool
+        self,
+        name: str,
+        m: Manifest,
+        entry: TensorEntry,
+        buf: np.ndarray,
+        *,
+        report: bool,
+        copy: bool = False,
     ) -> bool:
         """Apply one version of one tensor to ``buf``, checking its frames' and the tensor's
-        Adler-32; False (and a problem when ``report``) if anything does not match."""
+        Adler-32; False (and a problem when ``report``) if anything does not match. ``copy``:
+        ``m`` is the version's anchor copy (its problems name the copy and say what to do)."""
         size = itemsize(entry.dtype)
         delta = m.kind == "delta"
+        of = f" of anchor copy {anchor_key(m.version)}" if copy else ""
+        hint = copy_hint(m.version, start=m.version in self.starts) if copy else ""
         for f in entry.frames:
-            where = f"frame {name}[{f.start}:{f.stop}]"
+            where = f"frame {name}[{f.start}:{f.stop}]{of}"
             if (f.object, f.offset) in self.bad:
                 return False  # missing or damaged: listed by the fast pass
             try:
@@ -143,7 +200,8 @@ class Replay:
             try:
                 changed = self._decode(f, data, seg, size)
             except FrameError as exc:
-                return self._problem(report, FRAME, m, f.object, f"{where}: {exc}", name)
+                msg = f"{where}: {exc}{hint}"
+                return self._problem(report, FRAME, m, f.object, msg, name)
             if delta and changed != f.changed:
                 msg = f"{where} changes {changed} elements, the manifest says {f.changed}"
                 return self._problem(report, FRAME, m, f.object, msg, name)
@@ -151,7 +209,7 @@ class Replay:
             if got != f.adler32:
                 msg = (
                     f"{where} decodes to Adler-32 {got:08x}, the manifest says "
-                    f"{f.adler32:08x}: the frame holds other values than it should"
+                    f"{f.adler32:08x}: the frame holds other values than it should{hint}"
                 )
                 return self._problem(report, ADLER32, m, f.object, msg, name)
         if delta and not entry.frames:  # unchanged: the parent's checksum, checked already
@@ -159,11 +217,12 @@ class Replay:
         else:
             got = adler32(buf)
         if got != entry.adler32:
+            key = anchor_key(m.version) if copy else manifest_key(m.version)
             msg = (
                 f"tensor {name} replays to Adler-32 {got:08x}, the manifest says "
-                f"{entry.adler32:08x}"
+                f"{entry.adler32:08x}{hint}"
             )
-            return self._problem(report, ADLER32, m, manifest_key(m.version), msg, name)
+            return self._problem(report, ADLER32, m, key, msg, name)
         return True
 
     def _decode(self, f: Frame, data: bytes, seg: np.ndarray, size: int) -> int:
@@ -191,4 +250,4 @@ class Replay:
         return changed
 
 
-__all__ = ["ADLER32", "FRAME", "Replay"]
+__all__ = ["ADLER32", "FRAME", "Replay", "copy_hint"]

@@ -9,10 +9,17 @@
   Adler-32 the delta names; and each version's chain reaches an anchor;
 - ``LATEST``, when present, names a committed version with the SHA-256 of its manifest.
 
+Every anchor copy under ``anchors/`` (format v1 section 9.4) is read too: it must validate, be
+of a committed version and hold its state, and its frames are read and checked like a
+manifest's (existence, length, XXH3-64).
+
 With ``deep=True`` it also replays the chains in memory, one tensor at a time (memory: the
 largest tensor plus one frame, whatever the model size), decoding every frame and checking
 every frame's and every version's per-tensor Adler-32: this finds frames that are valid zstd
-with a matching hash but the wrong content (a broken writer), which the fast pass cannot.
+with a matching hash but the wrong content (a broken writer), which the fast pass cannot. Each
+anchor copy is replayed as well, on its own after the chains (the same memory bound): its
+frames' and tensors' Adler-32 must be its version's, even where the chain below it is intact
+(a fresh reader starts from the copy). A damaged copy's problems name the copy's key.
 
 :func:`verify_checkout` checks a folder written by ``deltastore pull`` against its sidecar's
 version: the Adler-32 of every tensor, and with a store, the sidecar against that manifest.
@@ -42,7 +49,7 @@ from deltastore.errors import ObjectNotFoundError
 from deltastore.format import chain as link
 from deltastore.format.keys import DATA_PREFIX, anchor_key, manifest_key
 from deltastore.format.manifest import Frame, Manifest
-from deltastore.maintenance.replay import ADLER32, FRAME, Replay
+from deltastore.maintenance.replay import ADLER32, FRAME, Replay, copy_hint
 from deltastore.progress import ProgressFn, Ticker
 from deltastore.store import Store, open_store
 
@@ -111,9 +118,10 @@ class _Found(list[Problem]):
 class VerifyReport:
     """What :func:`verify_store` or :func:`verify_checkout` checked and found.
 
-    ``tensors_checked``: (version, tensor) pairs whose Adler-32 was recomputed (deep) or
-    tensors checked (checkout). ``unverified``: (version, tensor) pairs the deep replay could
-    not reach because of a problem already listed. ``orphans``: data objects no manifest
+    ``tensors_checked``: (version, tensor) pairs whose Adler-32 was recomputed (deep; an
+    anchor copy's tensors count too, as pairs of their own) or tensors checked (checkout).
+    ``unverified``: (version or copy, tensor) pairs the deep replay could not reach because of
+    a problem already listed. ``orphans``: data objects no manifest
     names (left by failed publishes; not damage: see ``deltastore gc --orphans``).
     """
 
@@ -198,11 +206,17 @@ class _Ref:
     tensor: str
     frame: Frame
     copy: bool = False  # a frame of the version's anchor copy, not of its manifest
+    start: bool = False  # (copy) the copy starts its version's chain: the versions below are gone
 
     @property
     def where(self) -> str:
         frame = f"{self.tensor}[{self.frame.start}:{self.frame.stop}]"
         return f"{frame} of anchor copy {anchor_key(self.version)}" if self.copy else frame
+
+    @property
+    def hint(self) -> str:
+        """What to do when this frame is damaged ("" for a manifest's frame)."""
+        return copy_hint(self.version, start=self.start) if self.copy else ""
 
 
 def verify_store(
@@ -231,27 +245,35 @@ def verify_store(
     manifests = chain.manifests
     copies = _usable_copies(chain, problems)
     _check_chains(chain.listed, manifests, problems, set(copies))
+    # deep: a version whose parent is gone (retention) is replayed from its anchor copy (a
+    # start); every other copy is replayed on its own after the chains
+    starts = {
+        v: c
+        for v, c in copies.items()
+        if (p := manifests[v].parent) is None or p.version not in manifests
+    }
     refs = [
-        _Ref(v, name, f, copy)
+        _Ref(v, name, f, copy, copy and v in starts)
         for copy, found in ((False, manifests), (True, copies))
         for v, m in sorted(found.items())
         for name, e in m.tensors.items()
         for f in e.frames
     ]
-    total = sum(r.frame.length for r in refs)
-    ticker = Ticker(progress, len(refs) * (2 if deep else 1), total * (2 if deep else 1))
+    again = [r for r in refs if r.copy or r.version not in starts]  # what deep reads again
+    ticker = Ticker(
+        progress,
+        len(refs) + (len(again) if deep else 0),
+        sum(r.frame.length for r in refs + (again if deep else [])),
+    )
     bad, nbytes = _check_objects(store, refs, problems, ticker, max_workers)
     named = {r.frame.object for r in refs}
     orphans = sum(k not in named for k in store.list(DATA_PREFIX))
     checked = unverified = 0
-    if deep:  # a version whose parent is gone (retention) is replayed from its anchor copy
-        starts = {
-            v: c
-            for v, c in copies.items()
-            if (p := manifests[v].parent) is None or p.version not in manifests
-        }
-        replay = Replay(store, manifests | starts, bad, problems.add, ticker)
+    if deep:
+        replay = Replay(store, manifests | starts, bad, problems.add, ticker, frozenset(starts))
         checked, unverified = replay.run()
+        n, u = replay.run_copies({v: c for v, c in copies.items() if v not in starts})
+        checked, unverified = checked + n, unverified + u
         nbytes += replay.nbytes
     return _report(
         store.url,
@@ -370,7 +392,8 @@ def _check_objects(
                     versions[0],
                     key,
                     f"missing; {len(frames)} frames{of} of {len(tensors)} tensors "
-                    f"({', '.join(tensors[:3])}{', …' if len(tensors) > 3 else ''}) are in it",
+                    f"({', '.join(tensors[:3])}{', …' if len(tensors) > 3 else ''}) are in it"
+                    f"{frames[0].hint}",
                 )
                 ticker.tick(sum(r.frame.length for r in frames), len(frames))
                 return found, {(key, r.frame.offset) for r in frames}, nbytes
@@ -385,7 +408,7 @@ def _check_objects(
                     r.version,
                     key,
                     f"frame {r.where} at offset {f.offset} has another XXH3-64 than "
-                    f"{f.xxh3}: its bytes are damaged",
+                    f"{f.xxh3}: its bytes are damaged{r.hint}",
                     r.tensor,
                 )
                 bad.add((key, f.offset))
@@ -397,7 +420,7 @@ def _check_objects(
                 key,
                 f"ends at byte {r.frame.offset + got}: frame {r.where} needs "
                 f"{r.frame.length} bytes at offset {r.frame.offset}; {len(short)} frames "
-                "are cut short or missing",
+                f"are cut short or missing{r.hint}",
                 r.tensor,
             )
         return found, bad, nbytes
