@@ -37,6 +37,18 @@ TimeoutOpt = Annotated[
     ),
 ]
 
+TrustedKeysOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--trusted-keys",
+        metavar="KEYS",
+        help="Public keys of the writers (<key_id>:ed25519:<base64>, comma-separated) or "
+        "@FILE (one per line): every manifest must be signed by one of them. HMAC keys of "
+        "old stores come from DELTASTORE_SIGNING_KEY.",
+        show_default="DELTASTORE_TRUSTED_KEYS; none: signatures are not checked",
+    ),
+]
+
 if TYPE_CHECKING:
     SizeName = str
 else:  # typer reads annotations when the app runs: a choice of the table's names

@@ -19,7 +19,7 @@ from deltastore_cli.common import (
     progress_bar,
     settle,
 )
-from deltastore_cli.options import JsonOpt, StorageOpt, StoreArg, TimeoutOpt
+from deltastore_cli.options import JsonOpt, StorageOpt, StoreArg, TimeoutOpt, TrustedKeysOpt
 
 if TYPE_CHECKING:  # the library is imported when the command runs: --help imports no torch
     from deltastore.sync.subscriber import SyncReport
@@ -92,6 +92,7 @@ def pull(
             help="Lease length, renewed after half of it while following; 0: write no lease.",
         ),
     ] = 600.0,
+    trusted_keys: TrustedKeysOpt = None,
     storage_option: StorageOpt = None,
     timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
@@ -109,6 +110,8 @@ def pull(
     # --watch runs until stopped: --timeout bounds each store operation, not the command
     options = parse_storage_options(storage_option, timeout=timeout, deadline=not watch)
     lease: dict[str, Any] = {"reader_id": reader_id, "lease_ttl": lease_ttl or None}
+    if trusted_keys is not None:  # else DELTASTORE_TRUSTED_KEYS
+        lease["trusted_keys"] = trusted_keys
     if watch:
         if version is not None:
             raise typer.BadParameter("--watch follows the newest version; drop --version")

@@ -255,8 +255,9 @@ class FolderSync:
         )
 
     def _probe(self) -> Subscriber[HostTensor]:
-        """A subscriber without tensors, for reading manifests (with the signing key given)."""
-        extra = {k: v for k, v in self._sub_opts.items() if k == "signing_key"}
+        """A subscriber without tensors, for reading manifests (with the keys given)."""
+        keys = ("signing_key", "trusted_keys")
+        extra = {k: v for k, v in self._sub_opts.items() if k in keys}
         return Subscriber(self._url, storage_options=self._opts, **extra)
 
     def _target(self, version: int | None) -> tuple[Subscriber[HostTensor], int]:
