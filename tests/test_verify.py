@@ -12,6 +12,7 @@ deep replay's memory is bounded by a tensor, not the model (tracemalloc).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tracemalloc
@@ -29,9 +30,12 @@ from deltastore.checkpoint.folders import SIDECAR, pull_checkpoint
 from deltastore.checkpoint.safetensors import CheckpointError, MappedCheckpoint, locate
 from deltastore.format.codecs import RAW, RAW_PLANES, FrameDecoder, FrameEncoder
 from deltastore.format.codecs.v2 import FrameEncoder2
-from deltastore.format.manifest import LATEST_KEY, manifest_key
+from deltastore.format.keys import anchor_key
+from deltastore.format.manifest import LATEST_KEY, manifest_key, parse_manifest
+from deltastore.format.signing import Ed25519Key, SigningKey, sign_manifest
 from deltastore.maintenance.verify import (
     ADLER32,
+    BLAKE3,
     CHAIN,
     LATEST,
     MANIFEST,
@@ -40,6 +44,7 @@ from deltastore.maintenance.verify import (
     PARENT_ADLER32,
     PARENT_DIGEST,
     SIDECAR_MISMATCH,
+    SIGNATURE,
     TABLE,
     TRUNCATED,
     XXH3,
@@ -370,3 +375,165 @@ def test_checkout_of_a_folder_deltastore_did_not_write(tmp_path: Path) -> None:
 )
 def test_verify_usage_errors(args: tuple[str, ...]) -> None:
     assert cli(*args).exit_code == common.EXIT_USAGE
+
+
+# --- signatures ---------------------------------------------------------------------------
+
+KEY = Ed25519Key.generate("ops")
+PUBLIC = KEY.public_key()
+SIGNED_VERSIONS = 6  # anchor copies of v3 and v5; v6 (forged below) is a delta nothing needs
+
+
+@pytest.fixture(scope="module")
+def signed_pristine(history: list[Tensors], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("signed") / "store"
+    pub = Publisher(path, max_frame_bytes=1024, signing_key=KEY, anchor_policy="every:2")
+    for v in range(1, SIGNED_VERSIONS + 1):
+        pub.publish(history[v], version=v)
+    assert sorted(int(p.stem) for p in (path / "anchors").glob("*.json")) == [3, 5]
+    return path
+
+
+@pytest.fixture
+def signed(signed_pristine: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(signed_pristine, tmp_path / "signed"))
+
+
+def test_a_signed_store_passes_with_its_key(
+    signed_pristine: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for deep in (False, True):
+        report = verify_store(signed_pristine, deep=deep, keys=(PUBLIC,))
+        assert report.ok and report.trusted_keys == ("ops",), report.problems
+        assert report.summary().endswith(", signatures checked (key id ops): ok")
+    keyless = verify_store(signed_pristine, keys=None)
+    assert keyless.ok and keyless.trusted_keys == ()
+    assert keyless.unchecked_signatures == SIGNED_VERSIONS + 2  # manifests and copies
+    assert "8 signatures not checked (no trusted key)" in keyless.summary()
+    result = cli("verify", signed_pristine, "--deep", "--trusted-keys", PUBLIC.to_text())
+    assert result.exit_code == 0, result.output
+    keyfile = tmp_path / "trusted.pub"
+    keyfile.write_text(f"# the writer\n{PUBLIC.to_text()}\n")
+    as_json = json.loads(
+        cli("verify", signed_pristine, "--trusted-keys", f"@{keyfile}", "--json").stdout
+    )
+    assert as_json["ok"] is True and as_json["trusted_keys"] == ["ops"]
+    monkeypatch.setenv("DELTASTORE_TRUSTED_KEYS", PUBLIC.to_text())
+    assert verify_store(signed_pristine).trusted_keys == ("ops",)  # default: the environment
+    assert cli("verify", signed_pristine).exit_code == 0
+
+
+def put(store: Path, key: str, data: bytes) -> None:
+    """Write a manifest, and point ``LATEST`` at its bytes if it names it (as a forger who
+    can write to the bucket would)."""
+    (store / key).write_bytes(data)
+    latest = json.loads((store / LATEST_KEY).read_text())
+    if latest["manifest"] == key:
+        latest["sha256"] = hashlib.sha256(data).hexdigest()
+        (store / LATEST_KEY).write_text(json.dumps(latest))
+
+
+def forge(store: Path, key: str, how: str) -> None:
+    """Replace the manifest or copy at ``key`` by a forgery made ``how``."""
+    path = store / key
+    m = parse_manifest(path.read_bytes())
+    if how == "unsigned":
+        forged = m.model_copy(update={"signature": None}).to_bytes()
+    elif how == "unknown-key":
+        forged = sign_manifest(m, Ed25519Key.generate("intruder")).to_bytes()
+    elif how == "hmac-with-the-public-key":  # anyone can compute it: the public key is public
+        forged = sign_manifest(m, SigningKey("ops", PUBLIC.raw)).to_bytes()
+    elif how == "edited":  # a frame's Adler-32 changed after signing, the signature kept
+        data = json.loads(path.read_bytes())
+        data["tensors"]["model.norm.weight"]["frames"][0]["adler32"] ^= 1
+        forged = json.dumps(data).encode()
+    else:  # "replayed": version 5's validly signed manifest under version 6's key
+        assert how == "replayed"
+        forged = (store / manifest_key(5)).read_bytes()
+    put(store, key, forged)
+
+
+FORGERIES = ["unsigned", "unknown-key", "hmac-with-the-public-key", "edited", "replayed"]
+REASONS = {
+    "unsigned": "is not signed",
+    "unknown-key": "key id 'intruder', which this reader does not trust",
+    "hmac-with-the-public-key": "signed with hmac_sha256 under key id 'ops'",
+    "edited": "the signature does not match (key id 'ops')",
+    "replayed": "validly signed manifest of version 5, not 6: a replayed manifest",
+}
+
+
+@pytest.mark.parametrize("how", FORGERIES)
+def test_a_forged_manifest_is_a_problem(
+    signed: Path, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = manifest_key(SIGNED_VERSIONS)
+    forge(signed, key, how)
+    for deep in (False, True):
+        report = verify_store(signed, deep=deep, keys=(PUBLIC,))
+        # the forged manifest is left out, so LATEST names no good manifest
+        assert kinds(report) == [(LATEST, SIGNED_VERSIONS), (SIGNATURE, SIGNED_VERSIONS)]
+        problem = report.problems[0]
+        assert problem.kind == SIGNATURE and problem.key == key, report.problems
+        assert REASONS[how] in problem.message
+    if how != "replayed":  # without a key (a replay claims another version: a manifest problem)
+        assert verify_store(signed, keys=()).ok  # the fast check cannot tell a forgery
+    result = cli("verify", signed, "--trusted-keys", PUBLIC.to_text(), "--json")
+    assert result.exit_code == common.EXIT_DAMAGED, result.output
+    data = json.loads(result.stdout)
+    assert data["ok"] is False and data["kinds"] == {SIGNATURE: 1, LATEST: 1}
+    assert [(p["kind"], p["key"]) for p in data["problems"]] == [
+        (SIGNATURE, key),
+        (LATEST, LATEST_KEY),
+    ]
+    monkeypatch.setenv("DELTASTORE_TRUSTED_KEYS", PUBLIC.to_text())  # the key in the env
+    for flags in ((), ("--deep",)):
+        result = cli("verify", signed, *flags)
+        assert result.exit_code == common.EXIT_DAMAGED, result.output
+        assert result.stdout.startswith(f"signature: v{SIGNED_VERSIONS} {key}: ")
+
+
+@pytest.mark.parametrize("how", ["unsigned", "hmac-with-the-public-key"])
+def test_a_forged_anchor_copy_is_a_problem(signed: Path, how: str) -> None:
+    forge(signed, anchor_key(3), how)
+    report = verify_store(signed, deep=True, keys=(PUBLIC,))
+    assert kinds(report) == [(SIGNATURE, 3)], report.problems
+    assert report.problems[0].key == anchor_key(3) and REASONS[how] in report.problems[0].message
+    result = cli("verify", signed, "--trusted-keys", PUBLIC.to_text())
+    assert result.exit_code == common.EXIT_DAMAGED, result.output
+
+
+def test_a_frame_without_its_blake3(signed: Path) -> None:
+    """v6's first frame of a tensor replaced by other bytes; its XXH3-64 and length fixed in
+    the manifest, which is signed again (a broken writer) or left unsigned-checked: the
+    BLAKE3 the manifest records tells the bytes are not those published."""
+    m = manifest(signed, SIGNED_VERSIONS)
+    name, entry = next((n, e) for n, e in m["tensors"].items() if e["frames"])
+    f = entry["frames"][0]
+    path = signed / f["object"]
+    raw = bytearray(path.read_bytes())
+    raw[f["offset"] + f["length"] // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+    f["xxh3"] = xxhash.xxh3_64_hexdigest(bytes(raw[f["offset"] : f["offset"] + f["length"]]))
+    resigned = sign_manifest(parse_manifest(json.dumps(m).encode()), KEY)
+    put(signed, manifest_key(SIGNED_VERSIONS), resigned.to_bytes())
+    for keys in ((PUBLIC,), ()):
+        for deep in (False, True):
+            report = verify_store(signed, deep=deep, keys=keys)
+            assert kinds(report) == [(BLAKE3, SIGNED_VERSIONS)], report.problems
+            assert report.problems[0].key == f["object"] and report.problems[0].tensor == name
+    result = cli("verify", signed, "--deep", "--trusted-keys", PUBLIC.to_text())
+    assert result.exit_code == common.EXIT_DAMAGED and result.stdout.startswith("blake3: ")
+
+
+@pytest.mark.parametrize("text", ["nonsense", KEY.to_text(), "@/nonexistent/keys.pub"])
+def test_bad_trusted_keys_are_a_usage_error(
+    signed_pristine: Path, text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result = cli("verify", signed_pristine, "--trusted-keys", text)
+    assert result.exit_code == common.EXIT_USAGE, result.output
+    assert "--trusted-keys" in result.output
+    monkeypatch.setenv("DELTASTORE_TRUSTED_KEYS", text)
+    assert cli("verify", signed_pristine).exit_code == common.EXIT_USAGE
+    with pytest.raises(ValueError, match="DELTASTORE_TRUSTED_KEYS is invalid"):
+        verify_store(signed_pristine)

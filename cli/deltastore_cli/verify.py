@@ -19,7 +19,7 @@ from deltastore_cli.common import (
     settings,
     settle,
 )
-from deltastore_cli.options import JsonOpt, StorageOpt, TimeoutOpt
+from deltastore_cli.options import JsonOpt, StorageOpt, TimeoutOpt, TrustedKeysOpt
 
 #: Problems listed without ``-v`` (the summary line counts them all, by kind).
 MAX_LINES = 10
@@ -48,13 +48,19 @@ def verify(
             resolve_path=True,
         ),
     ] = None,
+    trusted_keys: TrustedKeysOpt = None,
     storage_option: StorageOpt = None,
     timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Check a store for damage (fsck), or with --checkout a folder `pull` wrote."""
+    from deltastore.format.signing import FROM_ENV, resolve_trust
     from deltastore.maintenance.verify import verify_checkout, verify_store
 
+    try:  # the union of --trusted-keys (or DELTASTORE_TRUSTED_KEYS) and DELTASTORE_SIGNING_KEY
+        keys = resolve_trust(FROM_ENV if trusted_keys is None else trusted_keys, FROM_ENV)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--trusted-keys") from None
     if checkout is None and store is None:
         raise typer.BadParameter("give STORE, or --checkout DEST")
     if checkout is not None and deep:
@@ -62,9 +68,11 @@ def verify(
     options = parse_storage_options(storage_option, timeout=timeout)
     with progress_bar(ctx, "verify") as progress:
         if checkout is not None:
-            report = verify_checkout(checkout, store, storage_options=options)
+            report = verify_checkout(checkout, store, storage_options=options, keys=keys)
         elif store is not None:
-            report = verify_store(store, deep=deep, storage_options=options, progress=progress)
+            report = verify_store(
+                store, deep=deep, storage_options=options, progress=progress, keys=keys
+            )
     settle()
     if json_out:
         print_json(report.to_json())

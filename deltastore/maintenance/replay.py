@@ -7,7 +7,8 @@ changed elements) and every version's per-tensor Adler-32 are checked. Memory: o
 words and one stored frame (plus the decoder's buffers), whatever the model size. Where a
 version's parent is not the version last replayed (a branch), the parent is replayed again
 from its anchor. Frames the fast pass found missing or damaged are skipped: that tensor is not
-replayed again until the next anchor.
+replayed again until the next anchor. Each frame read is checked again (length, XXH3-64, and
+BLAKE3 when its manifest records one) before it is decoded.
 
 Anchor copies (format v1 section 9.4): a copy that starts a version's chain (its parent is gone)
 stands in for that version in :meth:`Replay.run`; every other copy is replayed on its own by
@@ -32,6 +33,7 @@ from deltastore.errors import FrameError, ObjectNotFoundError
 from deltastore.format.checksum import adler32
 from deltastore.format.codecs import FrameDecoder
 from deltastore.format.dtypes import itemsize, word_dtype
+from deltastore.format.ed25519 import frame_digest
 from deltastore.format.keys import anchor_key, manifest_key
 from deltastore.format.manifest import Frame, Manifest, TensorEntry
 from deltastore.progress import Ticker
@@ -193,6 +195,8 @@ class Replay:
                 self.ticker.tick(f.length)
             if len(data) != f.length or xxhash.xxh3_64_hexdigest(data) != f.xxh3:
                 return False  # changed since the fast pass read it
+            if f.blake3 is not None and frame_digest(data) != f.blake3:
+                return False  # likewise: never decoded
             seg = buf[f.start : f.stop]
             if delta and f.parent_adler32 is not None and adler32(seg) != f.parent_adler32:
                 msg = f"{where}: the parent's bytes there do not have its parent_adler32"

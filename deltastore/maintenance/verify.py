@@ -3,15 +3,21 @@
 :func:`verify_store` reads every manifest under ``manifests/`` and checks, without decoding:
 
 - each manifest parses and validates (format v1, section 6) and names its own version;
+- with ``keys`` (trusted keys: by default those of ``DELTASTORE_TRUSTED_KEYS`` and
+  ``DELTASTORE_SIGNING_KEY``, :func:`~deltastore.format.signing.resolve_trust`), each manifest
+  and each anchor copy is signed by one of them for its own version (format v1, section 6.7):
+  an unsigned, unknown-key, forged, modified or replayed one is a ``signature`` problem, and
+  left out like a damaged manifest;
 - each frame's object exists, holds ``length`` bytes at ``offset``, and those bytes have the
-  frame's XXH3-64 (frames are read with ``get_range``, one at a time per worker thread);
+  frame's XXH3-64 and, when the frame records one (Ed25519-signed manifests), its BLAKE3
+  (frames are read with ``get_range``, one at a time per worker thread);
 - each delta's parent manifest exists, with the ``state_digest``, tensor table and per-tensor
   Adler-32 the delta names; and each version's chain reaches an anchor;
 - ``LATEST``, when present, names a committed version with the SHA-256 of its manifest.
 
 Every anchor copy under ``anchors/`` (format v1 section 9.4) is read too: it must validate, be
 of a committed version and hold its state, and its frames are read and checked like a
-manifest's (existence, length, XXH3-64).
+manifest's (existence, length, XXH3-64, BLAKE3).
 
 With ``deep=True`` it also replays the chains in memory, one tensor at a time (memory: the
 largest tensor plus one frame, whatever the model size), decoding every frame and checking
@@ -25,8 +31,8 @@ frames' and tensors' Adler-32 must be its version's, even where the chain below 
 version: the Adler-32 of every tensor, and with a store, the sidecar against that manifest.
 
 Both return a :class:`VerifyReport` listing each :class:`Problem` (``kind``, ``version``,
-``key``, ``message``); nothing is changed anywhere. Signatures of signed manifests are not
-checked here.
+``key``, ``message``); nothing is changed anywhere. Thread-safety: each call is independent
+(its worker threads are its own).
 """
 
 from __future__ import annotations
@@ -43,12 +49,14 @@ from typing import Any, Final, Literal
 
 import xxhash
 
-from deltastore.catalog.chain import Chain, ChainReader
+from deltastore.catalog.chain import Chain, ChainReader, Damaged
 from deltastore.checkpoint.safetensors import CheckpointError, MappedCheckpoint, locate, table_of
-from deltastore.errors import ObjectNotFoundError
+from deltastore.errors import ObjectNotFoundError, SignatureError
 from deltastore.format import chain as link
+from deltastore.format.ed25519 import frame_digest
 from deltastore.format.keys import DATA_PREFIX, anchor_key, manifest_key
 from deltastore.format.manifest import Frame, Manifest
+from deltastore.format.signing import FROM_ENV, TrustOption, Verifier, resolve_trust
 from deltastore.maintenance.replay import ADLER32, FRAME, Replay, copy_hint
 from deltastore.progress import ProgressFn, Ticker
 from deltastore.store import Store, open_store
@@ -60,8 +68,13 @@ MANIFEST: Final = "manifest"
 MISSING_OBJECT: Final = "missing-object"
 #: A data object is shorter than a frame's ``offset + length``.
 TRUNCATED: Final = "truncated"
+#: A manifest or anchor copy is not signed by a trusted key for its own version (unsigned,
+#: unknown key id, another algorithm than the key's, modified, or replayed).
+SIGNATURE: Final = "signature"
 #: A frame's stored bytes do not have its XXH3-64.
 XXH3: Final = "xxh3"
+#: A frame's stored bytes do not have the BLAKE3 its (Ed25519-signed) manifest records.
+BLAKE3: Final = "blake3"
 #: A delta's parent manifest is not in the store.
 MISSING_PARENT: Final = "missing-parent"
 #: A version's ``parent.state_digest`` is not its parent's ``state_digest``.
@@ -123,6 +136,9 @@ class VerifyReport:
     ``unverified``: (version or copy, tensor) pairs the deep replay could not reach because of
     a problem already listed. ``orphans``: data objects no manifest
     names (left by failed publishes; not damage: see ``deltastore gc --orphans``).
+    ``trusted_keys``: the ids of the keys every manifest and copy had to be signed by (empty:
+    signatures were not checked); ``unchecked_signatures``: signed manifests and copies whose
+    signature was not checked because no key was held.
     """
 
     target: str
@@ -133,6 +149,8 @@ class VerifyReport:
     tensors_checked: int = 0
     unverified: int = 0
     orphans: int = 0
+    trusted_keys: tuple[str, ...] = ()
+    unchecked_signatures: int = 0
     problems: tuple[Problem, ...] = ()
     elapsed_s: float = 0.0
     kinds: dict[str, int] = field(default_factory=dict)
@@ -163,6 +181,10 @@ class VerifyReport:
                 parts.append(f"{self.unverified} not reached")
             if self.orphans:
                 parts.append(f"{self.orphans} orphan objects")
+        if self.trusted_keys:
+            parts.append(f"signatures checked (key id {', '.join(self.trusted_keys)})")
+        elif self.unchecked_signatures:
+            parts.append(f"{self.unchecked_signatures} signatures not checked (no trusted key)")
         count = f"{len(self.problems)} problem{'s' if len(self.problems) > 1 else ''}"
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.kinds.items()))
         verdict = "ok" if self.ok else f"{count} ({kinds})"
@@ -176,13 +198,14 @@ class VerifyReport:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["versions"] = list(self.versions)
+        out["trusted_keys"] = list(self.trusted_keys)
         out["ok"] = self.ok
         out["empty"] = self.empty
         return out
 
 
 def _report(
-    target: str, mode: Mode, versions: Iterable[int], problems: _Found, t0: float, **kw: int
+    target: str, mode: Mode, versions: Iterable[int], problems: _Found, t0: float, **kw: Any
 ) -> VerifyReport:
     return VerifyReport(
         target=target,
@@ -226,8 +249,14 @@ def verify_store(
     storage_options: dict[str, Any] | None = None,
     progress: ProgressFn | None = None,
     max_workers: int = 4,
+    keys: TrustOption = FROM_ENV,
 ) -> VerifyReport:
     """Check every committed version of the store at ``url`` (see the module docstring).
+
+    ``keys``: the keys every manifest and anchor copy must be signed by (a sequence of
+    :class:`~deltastore.format.signing.Verifier`, a key, key text, or None / ``()`` for no
+    signature check); :data:`~deltastore.format.signing.FROM_ENV` (default): those of
+    ``DELTASTORE_TRUSTED_KEYS`` and ``DELTASTORE_SIGNING_KEY`` (ValueError when invalid).
 
     ``progress`` is called after each frame read (from worker threads, serialized), in stored
     bytes. Store I/O errors other than a missing object are raised (:class:`StoreError`;
@@ -237,12 +266,20 @@ def verify_store(
     t0 = time.perf_counter()
     store = open_store(url, storage_options)
     problems = _Found()
-    reader = ChainReader(store)  # no keys: signatures are not checked here
-    chain = reader.read_all(lambda d: problems.add(MANIFEST, d.version, d.key, d.message))
+    trusted = _trusted(keys)
+    reader = ChainReader(store, keys=trusted)
+
+    def damaged(d: Damaged) -> None:  # a failed signature check is a problem of its own
+        sig = isinstance(d.error, SignatureError)  # its message starts with the key: drop it
+        msg = d.message.removeprefix(f"{d.key}: ").removeprefix(f"{d.key} ") if sig else d.message
+        problems.add(SIGNATURE if sig else MANIFEST, d.version, d.key, msg)
+
+    chain = reader.read_all(damaged)
     latest = reader.check_latest(chain)
     if latest is not None:
         problems.add(LATEST, latest.version, latest.key, latest.message)
     manifests = chain.manifests
+    signed = [m.signature is not None for m in [*manifests.values(), *chain.copies.values()]]
     copies = _usable_copies(chain, problems)
     _check_chains(chain.listed, manifests, problems, set(copies))
     # deep: a version whose parent is gone (retention) is replayed from its anchor copy (a
@@ -286,7 +323,14 @@ def verify_store(
         tensors_checked=checked,
         unverified=unverified,
         orphans=orphans,
+        trusted_keys=tuple(k.key_id for k in trusted),
+        unchecked_signatures=0 if trusted else sum(signed),
     )
+
+
+def _trusted(keys: TrustOption) -> tuple[Verifier, ...]:
+    """``keys`` as a tuple of verifiers (:data:`FROM_ENV`: both environment variables)."""
+    return resolve_trust() if keys is FROM_ENV else resolve_trust(keys, None)
 
 
 def _check_link(m: Manifest, parent: Manifest, problems: _Found) -> bool:
@@ -412,6 +456,17 @@ def _check_objects(
                     r.tensor,
                 )
                 bad.add((key, f.offset))
+            elif f.blake3 is not None and frame_digest(data) != f.blake3:
+                found.add(
+                    BLAKE3,
+                    r.version,
+                    key,
+                    f"frame {r.where} at offset {f.offset} does not have the BLAKE3 its signed "
+                    f"manifest records: the data object was replaced or damaged after it was "
+                    f"published{r.hint}",
+                    r.tensor,
+                )
+                bad.add((key, f.offset))
         if short:
             r, got = short[0]
             found.add(
@@ -443,12 +498,14 @@ def verify_checkout(
     url: str | os.PathLike[str] | Store | None = None,
     *,
     storage_options: dict[str, Any] | None = None,
+    keys: TrustOption = FROM_ENV,
 ) -> VerifyReport:
     """Check the folder ``dest`` (written by ``deltastore pull``) against its sidecar's
     version: every tensor's Adler-32 (one read of the folder). With ``url``, the expected
     table and checksums come from that version's manifest in the store, and the sidecar is
-    checked against it. Raises :class:`CheckpointError` when ``dest`` has no (readable)
-    sidecar or its files are not a checkpoint."""
+    checked against it; that manifest must be signed by one of ``keys`` (as for
+    :func:`verify_store`; :class:`SignatureError` otherwise). Raises :class:`CheckpointError`
+    when ``dest`` has no (readable) sidecar or its files are not a checkpoint."""
     from deltastore.checkpoint.folders import (  # publisher and subscriber: loaded on use
         PENDING,
         SIDECAR,
@@ -465,9 +522,12 @@ def verify_checkout(
     tensors = MappedCheckpoint(files).host  # numpy words over the files: no torch
     problems = _Found()
     expected = dict(state.adler32)
+    trusted: tuple[Verifier, ...] = ()
     if url is not None:
         key = manifest_key(state.version)
-        m = ChainReader(open_store(url, storage_options)).manifest(state.version)
+        trusted = _trusted(keys)
+        reader = ChainReader(open_store(url, storage_options), keys=trusted)
+        m = reader.manifest(state.version)
         expected = {n: e.adler32 for n, e in m.tensors.items()}
         if state.state_digest != m.state_digest or state.adler32 != expected:
             problems.add(
@@ -511,11 +571,13 @@ def verify_checkout(
         t0,
         tensors_checked=len(found),
         bytes_read=sum(math.prod(t.shape) * t.element_size() for t in tensors.values()),
+        trusted_keys=tuple(k.key_id for k in trusted),
     )
 
 
 __all__ = [
     "ADLER32",
+    "BLAKE3",
     "CHAIN",
     "FRAME",
     "LATEST",
@@ -526,6 +588,7 @@ __all__ = [
     "PARENT_DIGEST",
     "PARENT_TABLE",
     "SIDECAR_MISMATCH",
+    "SIGNATURE",
     "TABLE",
     "TRUNCATED",
     "XXH3",
