@@ -8,6 +8,13 @@ wrong parent digest, a wrong parent Adler-32, a damaged LATEST, and a frame re-e
 another value whose hash and length were fixed in the manifest (valid zstd, so only the deep
 check finds it, by Adler-32). ``--checkout`` checks pulled folders, healthy and tampered. The
 deep replay's memory is bounded by a tensor, not the model (tracemalloc).
+
+Signatures: a store signed with an Ed25519 key passes with its public key (argument,
+``--trusted-keys`` text or @file, or ``DELTASTORE_TRUSTED_KEYS``); with the key held, a forged
+manifest or anchor copy (unsigned, an unknown key id, its body edited after signing, an HMAC
+made with the public key as secret under the Ed25519 key's id, a replayed manifest) is a
+``signature`` problem (exit 5), and a frame whose bytes lost the BLAKE3 the signed manifest
+records is a ``blake3`` problem.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from deltastore.format.codecs import RAW, RAW_PLANES, FrameDecoder, FrameEncoder
 from deltastore.format.codecs.v2 import FrameEncoder2
 from deltastore.format.keys import anchor_key
 from deltastore.format.manifest import LATEST_KEY, manifest_key, parse_manifest
-from deltastore.format.signing import Ed25519Key, SigningKey, sign_manifest
+from deltastore.format.signing import Ed25519Key, SignatureError, SigningKey, sign_manifest
 from deltastore.maintenance.verify import (
     ADLER32,
     BLAKE3,
@@ -537,3 +544,15 @@ def test_bad_trusted_keys_are_a_usage_error(
     assert cli("verify", signed_pristine).exit_code == common.EXIT_USAGE
     with pytest.raises(ValueError, match="DELTASTORE_TRUSTED_KEYS is invalid"):
         verify_store(signed_pristine)
+
+
+def test_checkout_against_a_forged_manifest(signed: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    pull_checkpoint(str(signed), dest, version=4)
+    assert verify_checkout(dest, signed, keys=(PUBLIC,)).trusted_keys == ("ops",)
+    forge(signed, manifest_key(4), "unsigned")
+    assert verify_checkout(dest, signed, keys=()).ok  # nothing checks the signature
+    with pytest.raises(SignatureError, match="is not signed"):
+        verify_checkout(dest, signed, keys=(PUBLIC,))
+    result = cli("verify", "--checkout", dest, signed, "--trusted-keys", PUBLIC.to_text())
+    assert result.exit_code == common.EXIT_DAMAGED, result.output
