@@ -386,3 +386,29 @@ for name, key in attempts.items():
         sub.sync()  # the newest version is a forgery
     assert sub.sync(VERSIONS).version == VERSIONS
     assert_at(sub, store.versions[4])
+
+
+def test_keygen_writes_a_pair_the_trainer_and_readers_use(tmp_path: Path) -> None:
+    runner = CliRunner()
+    keys = tmp_path / "keys"
+    made = runner.invoke(app, ["keygen", "trainer-cli", "--out", str(keys)])
+    assert made.exit_code == 0, made.output
+    private, public = keys / "trainer-cli.key", keys / "trainer-cli.pub"
+    assert private.stat().st_mode & 0o777 == 0o600
+    key = Ed25519Key.parse(private.read_text())
+    assert PublicKey.parse(public.read_text()) == key.public_key()
+    assert public.read_text().strip() in made.stdout and private.read_text() not in made.output
+    again = runner.invoke(app, ["keygen", "trainer-cli", "--out", str(keys)])
+    assert again.exit_code == 1 and "never overwrites" in again.output
+    assert Ed25519Key.parse(private.read_text()) == key  # untouched
+    assert runner.invoke(app, ["keygen", "bad/id", "--out", str(keys)]).exit_code == 2
+    # the trainer signs from the file, a reader checks with the other file
+    root, vs = tmp_path / "store", versions()
+    Publisher(root, signing_key=resolve_keys(environ={SIGNING_KEY_ENV: f"@{private}"})[0],
+              **OPTIONS).publish(vs[0], version=1)  # fmt: skip
+    pulled = runner.invoke(app, ["pull", str(root), str(tmp_path / "ckpt"), "--lease-ttl",
+                                 "0", "--trusted-keys", f"@{public}"])  # fmt: skip
+    assert pulled.exit_code == 0, pulled.output
+    other = runner.invoke(app, ["pull", str(root), str(tmp_path / "ckpt2"), "--lease-ttl", "0",
+                                "--trusted-keys", TRUST[0].to_text()])  # fmt: skip
+    assert other.exit_code == 5 and "does not trust" in other.output

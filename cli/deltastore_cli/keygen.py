@@ -27,7 +27,10 @@ def keygen(
     DELTASTORE_TRUSTED_KEYS=@OUT/KEY_ID.pub). Never overwrites a file."""
     from deltastore.format.ed25519 import Ed25519Key
 
-    key = Ed25519Key.generate(key_id)  # ValueError for a bad id: a usage error
+    try:
+        key = Ed25519Key.generate(key_id)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="KEY_ID") from None
     out.mkdir(parents=True, exist_ok=True)
     private, public = out / f"{key_id}.key", out / f"{key_id}.pub"
     for path in (private, public):
