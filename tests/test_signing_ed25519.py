@@ -302,6 +302,24 @@ def test_pull_refuses_with_the_documented_exit_code(
     assert {p.name: p.read_bytes() for p in dest.iterdir() if p.is_file()} == before
 
 
+def _swap_copy(s: Store) -> None:
+    shutil.copy(s.root / anchor_key(3), s.root / anchor_key(5))
+
+
+@pytest.mark.parametrize("forgery", [*ALL, "anchor-copy-swapped"])
+@pytest.mark.parametrize("deep", [False, True], ids=["fast", "deep"])
+def test_verify_reports_every_forgery(store: Store, forgery: str, deep: bool) -> None:
+    env = {TRUSTED_KEYS_ENV: KEY.public_key().to_text()}
+    args = ["verify", str(store.root), "--json", *(["--deep"] if deep else [])]
+    clean = CliRunner().invoke(app, args, env=env)
+    assert clean.exit_code == 0, clean.output
+    (_swap_copy if forgery == "anchor-copy-swapped" else ALL[forgery][0])(store)
+    result = CliRunner().invoke(app, args, env=env)
+    assert result.exit_code == 5, result.output
+    report = json.loads(result.stdout)
+    assert report["ok"] is False and report["problems"], report
+
+
 def test_forged_anchor_frame_is_refused_for_a_fresh_reader(store: Store) -> None:
     """A frame of the anchor (the non-batch decode path), forged with a collision by
     construction and re-signed: refused before decoding."""
