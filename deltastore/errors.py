@@ -38,6 +38,12 @@ class PreconditionFailedError(StoreError):
     """A compare-and-swap found a different object than expected."""
 
 
+class AccessDeniedError(StoreError, PermissionError):
+    """The store refused the operation for lack of permission (S3 ``AccessDenied``, HTTP 403,
+    a file mode): the identity in use may not do this on this key. Not retried. Give the role
+    the permission docs/stores.md (Least privilege) lists, or use the right credentials."""
+
+
 class BucketNotFoundError(StoreError, FileNotFoundError):
     """The store's bucket (Azure: container) does not exist: every key of the store is
     missing because of it, not because the store is empty. Create it, or fix the URL."""
@@ -200,6 +206,7 @@ class EngineSyncError(DeltastoreError):
 
 
 __all__ = [
+    "AccessDeniedError",
     "BucketNotFoundError",
     "ChainError",
     "CheckpointError",

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from deltastore import Publisher, Subscriber
+from deltastore import AccessDeniedError, Publisher, Subscriber
 from deltastore.errors import IntegrityError, StoreError
 from deltastore.format.keys import LATEST_KEY, anchor_key, data_prefix, lease_key, manifest_key
 from deltastore.format.signing import Ed25519Key
@@ -117,9 +117,11 @@ def same_bits(a: dict[str, torch.Tensor], b: Any) -> bool:
 
 
 def refused(call: Any) -> StoreError:
-    """Run ``call``; it must raise a StoreError whose cause is S3's AccessDenied."""
-    with pytest.raises(StoreError) as info:
+    """Run ``call``; it must raise AccessDeniedError (a StoreError) caused by S3's
+    AccessDenied, with a message that says what to do."""
+    with pytest.raises(AccessDeniedError) as info:
         call()
+    assert isinstance(info.value, StoreError) and "Least privilege" in str(info.value)
     cause = info.value.__cause__
     assert isinstance(cause, PermissionError), repr(cause)
     assert "AccessDenied" in repr(cause.__cause__) or "Access Denied" in str(cause), repr(cause)

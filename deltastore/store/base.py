@@ -18,7 +18,7 @@ import re
 from abc import ABC, abstractmethod
 from typing import Any
 
-from deltastore.errors import InvalidKeyError, StoreError
+from deltastore.errors import AccessDeniedError, InvalidKeyError, StoreError
 from deltastore.format.keys import KEY_PATTERN
 from deltastore.format.keys import MAX_KEY_LENGTH as MAX_KEY_LENGTH
 
@@ -56,6 +56,15 @@ def split_options(
             "-o unsafe_commits=true (or deltastore publish --unsafe-commits)"
         )
     return options, None if timeout is None else float(timeout), unsafe_commits or own_unsafe
+
+
+def access_denied(op: str, key: str, url: str, exc: BaseException) -> AccessDeniedError:
+    """The error of an operation the store refused for lack of permission."""
+    return AccessDeniedError(
+        f"{op} {key} in store {url}: access denied ({exc}): these credentials may not "
+        f"{op} this key; give the role the permissions docs/stores.md (Least privilege) "
+        "lists, or use the role meant for this command"
+    )
 
 
 def validate_key(key: str) -> str:

@@ -41,7 +41,7 @@ from deltastore.errors import (
     TransientError,
     VersionExistsError,
 )
-from deltastore.store.base import Store, validate_key
+from deltastore.store.base import Store, access_denied, validate_key
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -283,6 +283,8 @@ class FsspecStore(Store):
                 self._raise_if_bucket_missing(exc, probe=False)
                 if not self.transient(exc):
                     self._failing_until = 0.0  # the service answered
+                    if isinstance(exc, PermissionError):
+                        raise access_denied(op, key, self.url, exc) from exc
                     raise StoreError(f"{op} {key} in store {self.url} failed: {exc}") from exc
                 now = time.monotonic()
                 if command is not None:

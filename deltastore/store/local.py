@@ -28,7 +28,7 @@ from deltastore.errors import (
     StoreFullError,
     VersionExistsError,
 )
-from deltastore.store.base import Store, validate_key
+from deltastore.store.base import Store, access_denied, validate_key
 from deltastore.store.space import disk_full, is_disk_full
 
 
@@ -88,6 +88,8 @@ class LocalStore(Store):
                     todo="free space in the store's file system, then write again",
                     cls=StoreFullError,
                 ) from None
+            if isinstance(exc, PermissionError):
+                raise access_denied(op, key, self.url, exc) from exc
             raise StoreError(f"{op} {key} in store {self.url} failed: {exc}") from exc
 
     def get(self, key: str) -> bytes:
