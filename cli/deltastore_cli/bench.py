@@ -2,7 +2,8 @@
 ``--mode trainer``, real AdamW steps each followed by a publish, snapshot-free beside the
 memory snapshot; with ``--mode sharded``, the memory of a sharded publish per rank and
 density of changes; with ``--mode crossover``, the density of changes below which deltastore's
-sync beats the strongest dense load, per store."""
+sync beats the strongest dense load, per store; with ``--mode signing``, publish and sync
+unsigned vs Ed25519-signed, with the floors of the work signing adds."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from deltastore.bench.crossover_schema import CrossoverResult
     from deltastore.bench.schema import BenchResult
     from deltastore.bench.sharded_schema import ShardedResult
+    from deltastore.bench.signing import SigningOptions
+    from deltastore.bench.signing_schema import SigningResult
     from deltastore.bench.trainer import TrainerOptions
     from deltastore.bench.trainer_schema import TrainerResult
 
@@ -39,7 +42,7 @@ BenchSizeOpt = Annotated[
         case_sensitive=False,
         help="Synthetic model size.",
         show_default="large; --mode trainer: the largest whose trainer fits in memory; "
-        "--mode sharded: a 2.56M-element model (fsdp-2.5m); --mode crossover: medium",
+        "--mode sharded: a 2.56M-element model (fsdp-2.5m); --mode crossover, signing: medium",
     ),
 ]
 
@@ -48,7 +51,7 @@ def bench(
     ctx: typer.Context,
     size: BenchSizeOpt = None,
     mode: Annotated[
-        Literal["transfer", "trainer", "sharded", "crossover"],
+        Literal["transfer", "trainer", "sharded", "crossover", "signing"],
         typer.Option(
             help="transfer: every system through every store; trainer: real AdamW steps on "
             "fp32 masters, each followed by a publish, the snapshot-free publisher beside the "
@@ -57,7 +60,11 @@ def bench(
             "each, publish bf16 row shards at each --densities (local store; peak memory over "
             "the snapshot per rank, by RSS and tracemalloc, vs the shard's bf16 bytes); "
             "crossover: one density of changes per --lrs, deltastore's sync vs the strongest "
-            "dense load through each --store, and the density where they cross.",
+            "dense load through each --store, and the density where they cross; signing: "
+            "Publisher.publish (anchor, delta) and Subscriber.sync (fresh reader, follower) "
+            "unsigned vs Ed25519-signed through each --store, --repeats interleaved rounds, "
+            "on/off ratios beside the floors (BLAKE3 of the frames, canonical bytes, one "
+            "sign / verify).",
         ),
     ] = "transfer",
     densities: Annotated[
@@ -82,11 +89,27 @@ def bench(
         float, typer.Option(min=0.0, help="--mode trainer: AdamW weight decay.")
     ] = 0.1,
     store: Annotated[
-        str,
-        typer.Option(help="Comma-separated stores: local, moto (S3 over HTTP), or store URLs."),
-    ] = "local,moto",
+        str | None,
+        typer.Option(
+            help="Comma-separated stores: local, moto (S3 over HTTP), or store URLs.",
+            show_default="local,moto; --mode signing: local",
+        ),
+    ] = None,
     versions: Annotated[int, typer.Option(min=1, help="Measured versions (deltas).")] = 3,
-    lr: Annotated[float, typer.Option(min=0.0, help="AdamW learning rate.")] = 1e-6,
+    repeats: Annotated[
+        int,
+        typer.Option(
+            min=1, help="--mode signing: interleaved rounds (each operation once per side)."
+        ),
+    ] = 5,
+    lr: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="AdamW learning rate.",
+            show_default="1e-6; --mode signing: 2.5e-6 (~1.7% of the elements changed)",
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
     warmup: Annotated[int, typer.Option(min=0, help="AdamW steps before the base version.")] = 1,
     workdir: Annotated[
@@ -138,7 +161,7 @@ def bench(
             size=size or "auto",
             versions=versions,
             warmup=warmup,
-            lr=lr,
+            lr=1e-6 if lr is None else lr,
             weight_decay=weight_decay,
             seed=seed,
             optimizer=optimizer,
@@ -147,6 +170,8 @@ def bench(
         )
         _trainer(options, json_path, markdown_path)
         return
+    if store is None:
+        store = "local" if mode == "signing" else "local,moto"
     stores = [s.strip() for s in store.split(",") if s.strip()]
     if not stores:
         raise typer.BadParameter("--store names no store")
@@ -173,6 +198,26 @@ def bench(
             crossover.lrs = _numbers(lrs, "--lrs")
         _crossover(crossover, json_path, markdown_path)
         return
+    if mode == "signing":
+        if link is not None:
+            raise typer.BadParameter(
+                "--mode signing runs without a shaped link", param_hint="--link"
+            )
+        from deltastore.bench.signing import DEFAULT_LR, SigningOptions
+
+        signing = SigningOptions(
+            size=size or "medium",
+            stores=stores,
+            repeats=repeats,
+            lr=DEFAULT_LR if lr is None else lr,
+            seed=seed,
+            warmup=warmup,
+            workdir=workdir,
+            storage_options=parse_storage_options(storage_option),
+            log=log,
+        )
+        _signing(signing, json_path, markdown_path)
+        return
     if plot_path is not None:
         try:
             check_plot()  # before the run, not after it
@@ -184,7 +229,7 @@ def bench(
             size=size or "large",
             stores=stores,
             versions=versions,
-            lr=lr,
+            lr=1e-6 if lr is None else lr,
             seed=seed,
             warmup=warmup,
             workdir=workdir,
@@ -262,8 +307,16 @@ def _crossover(
     _finish(result, crossover_markdown(result), json_path, markdown_path)
 
 
+def _signing(options: SigningOptions, json_path: Path | None, markdown_path: Path | None) -> None:
+    """``--mode signing``: run, write the JSON and markdown, print the report."""
+    from deltastore.bench.signing import run_signing, signing_markdown
+
+    result = run_signing(options)
+    _finish(result, signing_markdown(result), json_path, markdown_path)
+
+
 def _finish(
-    result: BenchResult | TrainerResult | ShardedResult | CrossoverResult,
+    result: BenchResult | TrainerResult | ShardedResult | CrossoverResult | SigningResult,
     report: str,
     json_path: Path | None,
     markdown_path: Path | None,
