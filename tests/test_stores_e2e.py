@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import deltastore.publish.commit
-from deltastore import Publisher, StoreError, Subscriber
+from deltastore import AccessDeniedError, Publisher, StoreError, Subscriber
 from deltastore.format.manifest import LATEST_KEY, manifest_key, parse_latest
 from deltastore.publish.commit import advance_latest
 from deltastore.store import LocalStore, Store
@@ -255,8 +255,9 @@ def test_permanent_403_fails_fast(s3_endpoint: str, states: list[dict[str, torch
     store = s3(s3_endpoint)
     flaky = FlakyFS(store.fs, 2.0, error=PermissionError)  # every call fails first  # type: ignore[attr-defined]
     store.fs = flaky  # type: ignore[attr-defined]
-    with pytest.raises(StoreError, match="failed: injected") as info:
+    with pytest.raises(AccessDeniedError, match=r"access denied \(injected") as info:
         store.get("manifests/00000000000000000001.json")
+    assert isinstance(info.value, StoreError)
     assert "manifests/00000000000000000001.json" in str(info.value)
     assert flaky.calls == 1  # not retried
 
