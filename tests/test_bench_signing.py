@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from deltastore.bench.signing import INNER, OPERATIONS, compare, floor_s, summary_line
+from deltastore.bench.signing import (
+    INNER,
+    OPERATIONS,
+    compare,
+    floor_s,
+    spread,
+    summary_line,
+)
 from deltastore.bench.signing_schema import Floors, SigningResult, Timing
 from deltastore.bench.workload import Workload, WorkloadSpec
 from deltastore.testing.sizes import SIZES
@@ -38,7 +45,7 @@ def _floors(version: int = 1) -> Floors:
 def test_timing_is_the_median_and_minimum_of_its_samples() -> None:
     t = Timing.of([0.3, 0.1, 0.2, 0.5])
     assert t.samples_s == [0.3, 0.1, 0.2, 0.5]  # in the order taken
-    assert t.median_s == 0.25 and t.min_s == 0.1
+    assert t.median_s == 0.25 and t.min_s == 0.1 and spread(t) == 5.0
     with pytest.raises(ValueError, match="at least one sample"):
         Timing.of([])
 

@@ -414,6 +414,12 @@ def ms(seconds: float, signed: bool = False) -> str:
     return f"{v:+.{digits}f} ms" if signed else f"{v:.{digits}f} ms"
 
 
+def spread(t: Timing) -> float:
+    """The largest sample over the smallest: how far apart the repeats of one side are (an
+    on / off ratio closer to 1 than this is within the run's noise)."""
+    return max(t.samples_s) / max(t.min_s, 1e-12)
+
+
 def summary_line(c: Comparison, floor: Floors) -> str:
     """``delta publish: 1.01x (+2.1 ms; floor: BLAKE3 of 12.3 MB = 2.0 ms + canonical bytes
     0.3 ms + sign 0.05 ms)``."""
@@ -438,7 +444,9 @@ def signing_markdown(result: SigningResult) -> str:
         f"wall {result.wall_s:.0f} s, load average {load}. Unsigned (off) vs Ed25519-signed "
         f"(on), {result.repeats} interleaved rounds, median and minimum; the delta changes "
         f"{100 * result.density:.2f}% of the elements (lr {result.lr:g}). "
-        f"Exact: {'yes' if result.exact else 'NO'}.",
+        f"Exact: {'yes' if result.exact else 'NO'}. Spread: each side's largest sample over "
+        "its smallest; an on/off ratio nearer 1 than that is within this run's noise, and "
+        "the floors are the least signing adds.",
         "",
     ]
     for s in result.stores:
@@ -460,11 +468,13 @@ def signing_markdown(result: SigningResult) -> str:
                 f"{c.ratio_min:.3f}",
                 ms(c.extra_median_s, signed=True),
                 ms(c.floor_s),
+                f"{spread(c.off):.2f} / {spread(c.on):.2f}",
             ]
             for c in s.comparisons
         ]
         head = ["operation", "payload MB", "off median s", "on median s", "off min s"]
         head += ["on min s", "on/off median", "on/off min", "on - off", "floor"]
+        head += ["spread off / on"]
         lines += [f"### {s.store}", "", f"{checks}.", "", *table(head, rows), ""]
         lines += [f"- {summary_line(c, floors[c.version])}" for c in s.comparisons]
         frows = [
@@ -498,5 +508,6 @@ __all__ = [
     "floor_s",
     "run_signing",
     "signing_markdown",
+    "spread",
     "summary_line",
 ]
