@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from deltastore._version import __version__
-from deltastore_cli import bench, demo, keygen, log, orphans, publish, pull, show, verify
+from deltastore_cli import bench, demo, keygen, log, mirror, orphans, publish, pull, show, verify
 from deltastore_cli.common import (
     EXIT_USAGE,
     HANDLED,
@@ -133,6 +133,7 @@ app.command("log", cls=Command)(log.log)
 app.command("show", cls=Command)(show.show)
 app.command("gc", cls=Command, options_metavar="[--keep N] [--orphans] [OPTIONS]")(orphans.gc)
 app.command("verify", cls=Command)(verify.verify)
+app.command("mirror", cls=Command)(mirror.mirror)
 app.command("keygen", cls=Command)(keygen.keygen)
 app.command("demo", cls=Command)(demo.demo)
 app.command("bench", cls=Command)(bench.bench)

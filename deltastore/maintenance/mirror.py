@@ -1,0 +1,442 @@
+"""``deltastore mirror``: replicate a store's versions into another store, one fetch per cluster.
+
+A cluster's followers read a mirror near them (an NFS share, a MinIO, a regional bucket)
+instead of the trainer's store across regions: the origin then serves each version once per
+mirror, not once per follower, and sees one poll per mirror. Followers of a mirror need
+nothing new: a mirror is a store like any other, and mirrors chain (region -> cluster -> rack).
+
+For each version ``v`` the destination lacks, in version order, the destination receives the
+commit protocol's writes in the commit protocol's order (format v1, section 4.2):
+
+1. every data object of ``v``'s manifest and of its anchor copy (read whole from the source,
+   every frame in it checked: its length, XXH3-64 and, when recorded, BLAKE3; then written);
+   an object the destination already lists is not copied again (objects are immutable and
+   written whole, so a listed object is complete: a restarted mirror resumes);
+2. the anchor copy ``anchors/<v>.json``, then the manifest ``manifests/<v>.json``, each with
+   create-if-absent and exactly the source's bytes (an existing object with other bytes is a
+   fork: :class:`ForkError`); signatures are checked on reading them when keys are held
+   (``trusted_keys``), so a destination never holds a version a keyed reader would reject;
+3. ``LATEST``, by compare-and-swap, never backwards.
+
+A frame that fails its checks stops the pass at that version (:class:`IntegrityError`, or
+:class:`FrameError` for a truncated one): nothing of its manifest is written, earlier versions
+stay. A later pass skips a damaged version as soon as the source has an anchor (or anchor
+copy) after it. When the next version the destination needs is gone from the source
+(retention there), the mirror jumps to the newest anchor or anchor copy after the
+destination's head. A fresh destination starts at the source's oldest version that starts a
+chain (an anchor, or a version with an anchor copy), at the newest such version at or below
+``since``, or (``anchor_first``) at the newest one.
+
+Several mirrors of one source into one destination may run at once: the destination's
+create-if-absent decides, and they write the same bytes. The mirror keeps a lease on the
+source (``leases/<reader_id>.json``) on the destination's head, as a reader would; retention
+on the destination is the destination's own (``gc --keep`` there, its readers' leases).
+
+Not thread-safe: one thread drives a :class:`Mirror`; its copies run on worker threads of
+its own (``max_workers``), each holding at most one data object in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from deltastore.catalog.chain import ChainReader
+from deltastore.errors import (
+    ChainError,
+    DeltastoreError,
+    ForkError,
+    FrameError,
+    IntegrityError,
+    ManifestError,
+    ManifestNotFoundError,
+    ObjectNotFoundError,
+    StoreError,
+    VersionExistsError,
+)
+from deltastore.format.keys import (
+    ANCHOR_PREFIX,
+    anchor_key,
+    data_prefix,
+    manifest_key,
+    version_of_anchor_key,
+)
+from deltastore.format.manifest import Frame, Manifest, parse_manifest
+from deltastore.format.signing import (
+    FROM_ENV,
+    KeyOption,
+    TrustOption,
+    Verifier,
+    resolve_trust,
+    verify_manifest,
+)
+from deltastore.publish.commit import advance_latest, conditional_writes
+from deltastore.store import Store, open_store
+from deltastore.sync.fetch import check_xxh3
+from deltastore.sync.lease import DEFAULT_LEASE_TTL_S, LeaseKeeper
+from deltastore.sync.poll import PollSchedule
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MirrorReport:
+    """One pass of :meth:`Mirror.run_once`. Sizes in bytes, times in seconds."""
+
+    #: Versions whose manifest this pass wrote to the destination, ascending.
+    copied: tuple[int, ...] = ()
+    #: The destination's newest version after the pass (None: it holds none).
+    newest: int | None = None
+    #: Data objects written, and those skipped because the destination had them (a resume).
+    objects_copied: int = 0
+    objects_skipped: int = 0
+    bytes_copied: int = 0
+    #: Versions reached through an anchor or anchor copy because the versions before them
+    #: were missing (retention at the source) or damaged (a skipped version).
+    jumped: tuple[int, ...] = ()
+    seconds: float = 0.0
+
+
+@dataclass
+class _Tally:
+    copied: list[int] = field(default_factory=list)
+    jumped: list[int] = field(default_factory=list)
+    objects: int = 0
+    skipped: int = 0
+    nbytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, nbytes: int) -> None:
+        with self.lock:
+            self.objects += 1
+            self.nbytes += nbytes
+
+
+@dataclass(frozen=True)
+class _Version:
+    """A source version to copy: its manifest and anchor copy, with their exact bytes."""
+
+    version: int
+    manifest: Manifest
+    body: bytes
+    copy: Manifest | None
+    copy_body: bytes | None
+
+    @property
+    def starts_chain(self) -> bool:
+        return self.manifest.kind == "anchor" or self.copy is not None
+
+
+class Mirror:
+    """Copies the versions of store ``source`` into store ``dest`` (see the module
+    docstring). ``storage_options`` / ``dest_storage_options``: of each store's filesystem.
+    ``trusted_keys`` / ``signing_key``: the keys every source manifest and anchor copy must
+    be signed with (as :class:`~deltastore.Subscriber`'s; default: the environment's, none
+    when unset). ``unsafe_commits``: mirror into a store that ignores create-if-absent, each
+    manifest read back after its create (one mirror per destination then)."""
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str] | Store,
+        dest: str | os.PathLike[str] | Store,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        dest_storage_options: dict[str, Any] | None = None,
+        trusted_keys: TrustOption = FROM_ENV,
+        signing_key: KeyOption = FROM_ENV,
+        since: int | None = None,
+        anchor_first: bool = False,
+        reader_id: str | None = None,
+        lease_ttl: float | None = DEFAULT_LEASE_TTL_S,
+        max_workers: int = 4,
+        unsafe_commits: bool = False,
+    ) -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be at least 1, got {max_workers!r}")
+        if since is not None and anchor_first:
+            raise ValueError("give since or anchor_first, not both")
+        self.source = open_store(source, storage_options)
+        self.dest = open_store(dest, dest_storage_options)
+        self._keys: tuple[Verifier, ...] = resolve_trust(trusted_keys, signing_key)
+        self._src = ChainReader(self.source, keys=self._keys)
+        self._dst = ChainReader(self.dest)
+        self._since, self._anchor_first = since, anchor_first
+        self._lease = LeaseKeeper(self.source, reader_id, lease_ttl)
+        self._workers = max_workers
+        self._unsafe = unsafe_commits
+        self._enforced: bool | None = None  # does the destination enforce create-if-absent
+        self._bad: set[int] = set()  # source versions whose frames failed
+
+    # --- one pass ---------------------------------------------------------------------
+
+    def run_once(self) -> MirrorReport:
+        """Copy every source version the destination lacks (see the module docstring); the
+        first damaged version raises, after the versions before it are copied."""
+        t0 = time.perf_counter()
+        tally = _Tally()
+        head = self._dst.latest()
+        if head is not None:
+            self._lease.hold(head)
+        listed = self._src.versions_after(head)  # an idle poll: this one request
+        copies = self._copies_after(head) if listed else set()
+        for item in self._plan(head, listed, copies, tally):
+            self._lease.hold(item.version)
+            try:
+                self._copy(item, tally)
+            except (IntegrityError, FrameError, ManifestError) as exc:
+                self._bad.add(item.version)
+                raise type(exc)(
+                    f"source version {item.version} cannot be mirrored: {exc}; nothing of it "
+                    "was committed at the destination (the versions before it were). The "
+                    "mirror goes on from the next anchor or anchor copy the source publishes"
+                ) from exc
+            head = item.version
+        return MirrorReport(
+            tuple(tally.copied), head, tally.objects, tally.skipped, tally.nbytes,
+            tuple(tally.jumped), time.perf_counter() - t0,
+        )  # fmt: skip
+
+    def _copies_after(self, head: int | None) -> set[int]:
+        """The source versions after ``head`` (all when None) that have an anchor copy."""
+        keys = (
+            self.source.list(ANCHOR_PREFIX)
+            if head is None
+            else self.source.list_after(ANCHOR_PREFIX, anchor_key(head))
+        )
+        return {v for k in keys if (v := version_of_anchor_key(k)) is not None}
+
+    def _plan(
+        self, head: int | None, listed: list[int], copies: set[int], tally: _Tally
+    ) -> list[_Version]:
+        """The versions to copy, ascending: each extends the previous one's chain, or
+        starts a chain (an anchor, or a version with an anchor copy); versions that do
+        neither are skipped up to the newest start after them."""
+        todo = [v for v in listed if v not in self._bad]
+        if head is None:
+            todo = self._start(todo, copies)
+        out: list[_Version] = []
+        prev = head
+        digest = self._dst.manifest(head).state_digest if head is not None else None
+        i = 0
+        while i < len(todo):
+            item = self._read(todo[i], todo[i] in copies)
+            parent = item.manifest.parent
+            extends = (
+                parent is not None and parent.version == prev and parent.state_digest == digest
+            )
+            if not extends and not item.starts_chain:
+                later = self._newest_anchor(
+                    todo[i + 1 :], [v for v in todo[i + 1 :] if v in copies]
+                )
+                if later is None:
+                    log.warning(
+                        "source version %d does not extend the destination's version %s and "
+                        "no anchor or anchor copy follows it yet; waiting for one",
+                        item.version,
+                        prev,
+                    )
+                    break
+                i = todo.index(later)
+                continue
+            if not extends and prev is not None:
+                tally.jumped.append(item.version)
+            out.append(item)
+            prev, digest = item.version, item.manifest.state_digest
+            i += 1
+        return out
+
+    def _start(self, todo: list[int], copies: set[int]) -> list[int]:
+        """The source versions a fresh destination copies: from the first that starts a
+        chain (default), the newest at or below ``since``, or the newest (``anchor_first``)."""
+        if self._since is None and not self._anchor_first:
+            first = next((v for v in todo if v in copies or self._read(v, False).starts_chain),
+                         None)  # fmt: skip
+            return todo[todo.index(first) :] if first is not None else []
+        pool = todo if self._since is None else [v for v in todo if v <= self._since]
+        start = self._newest_anchor(pool, [v for v in pool if v in copies])
+        if start is None:
+            where = "" if self._since is None else f" at or below version {self._since}"
+            raise ChainError(
+                f"store {self.source.url} has no anchor or anchor copy{where} to start a "
+                "mirror from: give another --since, or publish an anchor"
+            )
+        return todo[todo.index(start) :]
+
+    def _newest_anchor(self, versions: Sequence[int], with_copies: Sequence[int]) -> int | None:
+        """The newest of ``versions`` that starts a chain (reading manifests newest first
+        until an anchor, unless a version with a copy is newer)."""
+        floor = max(with_copies, default=None)
+        for v in reversed(versions):
+            if floor is not None and v <= floor:
+                return floor
+            if self._read(v, False).manifest.kind == "anchor":
+                return v
+        return floor
+
+    def _read(self, version: int, has_copy: bool) -> _Version:
+        """Source version ``version``: manifest and (``has_copy``) anchor copy, exact bytes,
+        each parsed, validated, signature-checked and naming ``version``."""
+        body = self._get(manifest_key(version))
+        m = self._check(manifest_key(version), body, version)
+        copy = copy_body = None
+        if has_copy:
+            try:
+                copy_body = self._get(anchor_key(version))
+                copy = self._check(anchor_key(version), copy_body, version, anchor=True)
+            except ObjectNotFoundError:
+                copy_body = None  # deleted by the source's retention meanwhile
+            except DeltastoreError as exc:  # a damaged copy is not mirrored (readers skip it)
+                log.warning("%s of the source is not mirrored: %s", anchor_key(version), exc)
+                copy = copy_body = None
+        return _Version(version, m, body, copy, copy_body)
+
+    def _get(self, key: str) -> bytes:
+        try:
+            return self.source.get(key)
+        except ObjectNotFoundError:
+            if key.startswith(ANCHOR_PREFIX):
+                raise
+            raise ManifestNotFoundError(
+                f"{key} is gone from store {self.source.url} (retention there?); the next pass "
+                "goes on from the newest anchor or anchor copy"
+            ) from None
+
+    def _check(self, key: str, body: bytes, version: int, *, anchor: bool = False) -> Manifest:
+        m = parse_manifest(body, key=key)
+        verify_manifest(m, self._keys, version=version, name=key)
+        if m.version != version:
+            raise ManifestError(f"{key} claims version {m.version}; the source is damaged")
+        if anchor and m.kind != "anchor":
+            raise ManifestError(f"{key} is a {m.kind}, not an anchor; the source is damaged")
+        return m
+
+    # --- copying one version ----------------------------------------------------------
+
+    def _copy(self, item: _Version, tally: _Tally) -> None:
+        """Objects, then the anchor copy, then the manifest, then ``LATEST``."""
+        v = item.version
+        frames: dict[str, list[Frame]] = {}
+        for m in (item.manifest, item.copy):
+            for t in m.tensors.values() if m is not None else ():
+                for f in t.frames:
+                    frames.setdefault(f.object, []).append(f)
+        present = set(self.dest.list(data_prefix(v)))
+        todo = sorted(k for k in frames if k not in present)
+        tally.skipped += len(frames) - len(todo)
+        if todo:
+            with ThreadPoolExecutor(min(self._workers, len(todo))) as pool:
+                done = [pool.submit(self._copy_object, k, frames[k], tally) for k in todo]
+                errors = [f.exception() for f in done]
+            first = next((e for e in errors if e is not None), None)
+            if first is not None:
+                raise first
+        if item.copy is not None and item.copy_body is not None:
+            self._create(anchor_key(v), item.copy_body)
+        self._create(manifest_key(v), item.body)
+        advance_latest(self.dest, v, item.body)
+        self._dst.note(v)
+        tally.copied.append(v)
+        log.info("mirrored version %d (%d objects)", v, len(todo))
+
+    def _copy_object(self, key: str, frames: list[Frame], tally: _Tally) -> None:
+        """Read ``key`` whole from the source, check each of its ``frames``, write it."""
+        try:
+            data = self.source.get(key)
+        except ObjectNotFoundError:
+            raise ObjectNotFoundError(
+                f"{key}, a data object of a committed version, is missing from store "
+                f"{self.source.url}"
+            ) from None
+        view = memoryview(data)
+        for f in frames:
+            if f.offset + f.length > len(data):
+                raise FrameError(
+                    f"{key}: frame at offset {f.offset} is truncated "
+                    f"({max(0, len(data) - f.offset)} of {f.length} bytes)"
+                )
+            check_xxh3(f, view[f.offset : f.offset + f.length])  # and its BLAKE3
+        self.dest.put(key, data)
+        tally.add(len(data))
+
+    def _create(self, key: str, body: bytes) -> None:
+        """Create ``key`` at the destination with ``body``; an existing object must hold
+        exactly ``body`` (another mirror's, or this one's before a crash)."""
+        if self._enforced is None:
+            self._enforced = conditional_writes(self.dest, unsafe_commits=self._unsafe)
+        try:
+            self.dest.put_if_absent(key, body)
+        except StoreError as exc:
+            try:
+                existing = self.dest.get(key)
+            except ObjectNotFoundError:
+                raise exc from None
+            if existing != body:
+                if isinstance(exc, VersionExistsError):
+                    raise ForkError(
+                        f"{key} in store {self.dest.url} holds other bytes than the source's: "
+                        "the destination was written by someone else (a publisher, or a "
+                        "mirror of another source); mirror into a store of its own"
+                    ) from None
+                raise
+        if not self._enforced and self.dest.get(key) != body:
+            raise ForkError(f"{key} in store {self.dest.url} was overwritten by another writer")
+
+    # --- following ----------------------------------------------------------------------
+
+    def watch(
+        self,
+        *,
+        stop: threading.Event | None = None,
+        interval: float = 5.0,
+        max_interval: float = 60.0,
+        on_report: Callable[[MirrorReport], None] | None = None,
+    ) -> None:
+        """Run :meth:`run_once` until ``stop`` is set, waiting between passes as ``pull
+        --watch`` does (:class:`~deltastore.sync.poll.PollSchedule`). A damaged source
+        version or a store error is logged and retried; the damaged version is skipped once
+        an anchor or anchor copy follows it."""
+        stop = stop or threading.Event()
+        schedule = PollSchedule(interval, max_interval)
+        while not stop.is_set():
+            try:
+                report = self.run_once()
+                if report.copied:
+                    schedule.found()
+                    if on_report is not None:
+                        on_report(report)
+                else:
+                    schedule.idle()
+            except (IntegrityError, FrameError, ManifestError, ChainError) as exc:
+                schedule.failed()
+                log.warning("%s", exc)
+            except StoreError as exc:
+                schedule.failed()
+                log.warning("store error, retrying in about %.1f s: %s", schedule.wait, exc)
+            stop.wait(schedule.delay())
+
+    def close(self) -> None:
+        """Release the lease on the source (best effort)."""
+        self._lease.release()
+
+    def __enter__(self) -> Mirror:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def mirror(
+    source: str | os.PathLike[str] | Store, dest: str | os.PathLike[str] | Store, **options: Any
+) -> MirrorReport:
+    """One pass of :class:`Mirror` (``options`` are its keyword options), then close."""
+    with Mirror(source, dest, **options) as m:
+        return m.run_once()
+
+
+__all__ = ["Mirror", "MirrorReport", "mirror"]
