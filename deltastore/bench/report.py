@@ -37,12 +37,16 @@ from deltastore.bench.limits import LIMITS_AND_PITFALLS
 from deltastore.bench.plot import PlotUnavailable as PlotUnavailable
 from deltastore.bench.plot import check_plot as check_plot
 from deltastore.bench.plot import plot as plot
-from deltastore.bench.schema import (
-    BASELINES,
-    BenchResult,
-    StoreResult,
-    load_result,
+from deltastore.bench.schema import BASELINES, BenchResult, StoreResult, load_result
+from deltastore.bench.signing_report import (
+    is_signing_json,
+    load_signing,
+    signing_command,
+    signing_section,
+    signing_source,
+    signing_summary,
 )
+from deltastore.bench.signing_schema import SigningResult
 from deltastore.bench.trainer_report import (
     is_trainer_file,
     load_trainer_result,
@@ -53,23 +57,11 @@ from deltastore.bench.trainer_report import (
 )
 from deltastore.bench.trainer_schema import TrainerResult
 
+#: The systems table's columns.
 _HEAD = [
-    "system",
-    "payload",
-    "B/changed",
-    "publish s",
-    "detect",
-    "encode",
-    "upload",
-    "sync s",
-    "fetch",
-    "decode",
-    "verify",
-    "pause",
-    "pub RSS+",
-    "sub RSS+",
-    "exact",
-]
+    "system", "payload", "B/changed", "publish s", "detect", "encode", "upload", "sync s",
+    "fetch", "decode", "verify", "pause", "pub RSS+", "sub RSS+", "exact",
+]  # fmt: skip
 
 
 def _systems_table(s: StoreResult) -> list[str]:
@@ -466,18 +458,21 @@ def performance_doc(
     doc: str | os.PathLike[str] = "docs/performance.md",
     trainers: Sequence[tuple[TrainerResult, str | os.PathLike[str]]] = (),
     crossovers: Sequence[tuple[CrossoverResult, str | os.PathLike[str]]] = (),
+    signings: Sequence[tuple[SigningResult, str | os.PathLike[str]]] = (),
 ) -> str:
     """``docs/performance.md`` from results JSONs, each a ``(result, path)``: where the numbers
     come from, a summary, what is left, each run's full report (every system, the strongest
     baselines named, the floors, ratios, each check; a run through a shaped link beside the
     loopback one), the machines, and the measured limits the code rests on. ``trainers``:
     trainer-in-the-loop runs (``--mode trainer``), each with its summary, what is left and its
-    report; ``crossovers``: crossover runs (``--mode crossover``). Links are relative to
-    ``doc``, the path the page is written to."""
+    report; ``crossovers``: crossover runs (``--mode crossover``); ``signings``: signing runs
+    (``--mode signing``), each with its summary line and its "Signing" section. Links are
+    relative to ``doc``, the path the page is written to."""
     if not runs:
         raise ValueError("performance_doc needs at least one run")
     readme = _link(Path(__file__).resolve().parents[2] / "benchmarks" / "README.md", doc)
-    sources = " ".join(Path(src).as_posix() for _, src in [*runs, *trainers, *crossovers])
+    every = [*runs, *trainers, *crossovers, *signings]
+    sources = " ".join(Path(src).as_posix() for _, src in every)
     listed = (
         [
             f"- {_label(r)}: `deltastore bench --size {r.workload.size}`, {r.workload.versions} "
@@ -498,6 +493,7 @@ def performance_doc(
             f"[{Path(src).name}]({_link(src, doc)}) ({c.created[:10]})."
             for c, src in crossovers
         ]
+        + [signing_source(g, src, _link(src, doc)) for g, src in signings]
     )
     out = [
         "# Performance",
@@ -518,6 +514,7 @@ def performance_doc(
         "```sh",
         *[_command(r, src) for r, src in runs],
         *[trainer_command(t, src) for t, src in trainers],
+        *[signing_command(g, src) for g, src in signings],
         f".venv/bin/python -m deltastore.bench.report {sources} "
         f"--performance-doc {Path(doc).as_posix()}",
         "```",
@@ -531,6 +528,7 @@ def performance_doc(
         out += [f"### trainer in the loop, {t.size}, AdamW {t.optimizer}", ""]
         out += [*trainer_summary(t), ""]
     out += [crossover_summary(c) for c, _ in crossovers] + ([""] if crossovers else [])
+    out += [signing_summary(g) for g, _ in signings] + ([""] if signings else [])
     out += ["## What is left", ""]
     for r, _ in runs:
         out += [f"### {_label(r)}", "", *_left(r), ""]
@@ -548,6 +546,8 @@ def performance_doc(
         out += [trainer_markdown(t, level=3).rstrip("\n"), ""]
     for c, _ in crossovers:
         out += [*crossover_section(c), ""]
+    for g, _ in signings:
+        out += [*signing_section(g), ""]
     out += ["## Measured limits and pitfalls", "", LIMITS_AND_PITFALLS.strip(), ""]
     return "\n".join(out)
 
@@ -576,11 +576,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         trainers = [(load_trainer_result(p), p) for p in args.results if is_trainer_file(p)]
         crossovers = [(load_crossover(p), p) for p in args.results if is_crossover_json(p)]
-        runs = [
-            (load_result(p), p)
-            for p in args.results
-            if not is_trainer_file(p) and not is_crossover_json(p)
-        ]
+        signings = [(load_signing(p), p) for p in args.results if is_signing_json(p)]
+        other = (is_trainer_file, is_crossover_json, is_signing_json)
+        runs = [(load_result(p), p) for p in args.results if not any(f(p) for f in other)]
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -589,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write("\n".join(texts))
     else:
         args.performance_doc.write_text(
-            performance_doc(runs, args.performance_doc, trainers, crossovers)
+            performance_doc(runs, args.performance_doc, trainers, crossovers, signings)
         )
     return 0
 
