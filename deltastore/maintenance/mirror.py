@@ -51,14 +51,12 @@ from deltastore.catalog.chain import ChainReader
 from deltastore.errors import (
     ChainError,
     DeltastoreError,
-    ForkError,
     FrameError,
     IntegrityError,
     ManifestError,
     ManifestNotFoundError,
     ObjectNotFoundError,
     StoreError,
-    VersionExistsError,
 )
 from deltastore.format.keys import (
     ANCHOR_PREFIX,
@@ -76,7 +74,7 @@ from deltastore.format.signing import (
     resolve_trust,
     verify_manifest,
 )
-from deltastore.publish.commit import advance_latest, conditional_writes
+from deltastore.publish.commit import conditional_writes, replicate_version
 from deltastore.store import Store, open_store
 from deltastore.sync.fetch import check_xxh3
 from deltastore.sync.lease import DEFAULT_LEASE_TTL_S, LeaseKeeper
@@ -336,10 +334,10 @@ class Mirror:
             first = next((e for e in errors if e is not None), None)
             if first is not None:
                 raise first
-        if item.copy is not None and item.copy_body is not None:
-            self._create(anchor_key(v), item.copy_body)
-        self._create(manifest_key(v), item.body)
-        advance_latest(self.dest, v, item.body)
+        if self._enforced is None:
+            self._enforced = conditional_writes(self.dest, unsafe_commits=self._unsafe)
+        copy_body = item.copy_body if item.copy is not None else None
+        replicate_version(self.dest, v, item.body, copy_body, enforced=self._enforced)
         self._dst.note(v)
         tally.copied.append(v)
         log.info("mirrored version %d (%d objects)", v, len(todo))
@@ -363,29 +361,6 @@ class Mirror:
             check_xxh3(f, view[f.offset : f.offset + f.length])  # and its BLAKE3
         self.dest.put(key, data)
         tally.add(len(data))
-
-    def _create(self, key: str, body: bytes) -> None:
-        """Create ``key`` at the destination with ``body``; an existing object must hold
-        exactly ``body`` (another mirror's, or this one's before a crash)."""
-        if self._enforced is None:
-            self._enforced = conditional_writes(self.dest, unsafe_commits=self._unsafe)
-        try:
-            self.dest.put_if_absent(key, body)
-        except StoreError as exc:
-            try:
-                existing = self.dest.get(key)
-            except ObjectNotFoundError:
-                raise exc from None
-            if existing != body:
-                if isinstance(exc, VersionExistsError):
-                    raise ForkError(
-                        f"{key} in store {self.dest.url} holds other bytes than the source's: "
-                        "the destination was written by someone else (a publisher, or a "
-                        "mirror of another source); mirror into a store of its own"
-                    ) from None
-                raise
-        if not self._enforced and self.dest.get(key) != body:
-            raise ForkError(f"{key} in store {self.dest.url} was overwritten by another writer")
 
     # --- following ----------------------------------------------------------------------
 

@@ -436,6 +436,42 @@ def commit_version(
     return Committed(manifest, body, copy)
 
 
+def replicate_version(
+    store: Store, version: int, body: bytes, copy_body: bytes | None, *, enforced: bool
+) -> None:
+    """Commit in ``store`` a version another store committed (a mirror), its data objects
+    already written: the anchor copy (``copy_body``, when given), then the manifest ``body``,
+    each created if absent with exactly those bytes, then ``LATEST``. An existing object with
+    other bytes is a :class:`ForkError`; one with the same bytes (another mirror's, or a run
+    stopped after its create) is this commit. ``enforced``: whether ``store`` enforces
+    create-if-absent (:func:`conditional_writes`); if not, each create is read back."""
+    if copy_body is not None:
+        _replicate(store, anchor_key(version), copy_body, enforced)
+    _replicate(store, manifest_key(version), body, enforced)
+    advance_latest(store, version, body)
+
+
+def _replicate(store: Store, key: str, body: bytes, enforced: bool) -> None:
+    try:
+        store.put_if_absent(key, body)
+    except StoreError as exc:
+        try:
+            existing = store.get(key)
+        except ObjectNotFoundError:
+            raise exc from None
+        if existing == body:
+            return
+        if not isinstance(exc, VersionExistsError):
+            raise
+        raise ForkError(
+            f"{key} in store {store.url} holds other bytes than the source's: the store is "
+            "written by someone else (a publisher, or a mirror of another source); mirror "
+            "into a store of its own"
+        ) from None
+    if not enforced and store.get(key) != body:
+        raise ForkError(f"{key} in store {store.url} was overwritten by another writer")
+
+
 __all__ = [
     "Committed",
     "Unread",
@@ -450,6 +486,7 @@ __all__ = [
     "confirm_commit",
     "head_version",
     "read_latest",
+    "replicate_version",
     "stored_bytes",
     "write_anchor_copy",
 ]
