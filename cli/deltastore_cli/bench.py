@@ -3,7 +3,8 @@
 memory snapshot; with ``--mode sharded``, the memory of a sharded publish per rank and
 density of changes; with ``--mode crossover``, the density of changes below which deltastore's
 sync beats the strongest dense load, per store; with ``--mode signing``, publish and sync
-unsigned vs Ed25519-signed, with the floors of the work signing adds."""
+unsigned vs Ed25519-signed, with the floors of the work signing adds; with ``--mode fleet``,
+what N followers cost the origin store, read directly or through one mirror."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from deltastore_cli.options import SizeName, StorageOpt
 if TYPE_CHECKING:
     from deltastore.bench.crossover import CrossoverOptions
     from deltastore.bench.crossover_schema import CrossoverResult
+    from deltastore.bench.fleet import FleetOptions
+    from deltastore.bench.fleet_schema import FleetResult
     from deltastore.bench.schema import BenchResult
     from deltastore.bench.sharded_schema import ShardedResult
     from deltastore.bench.signing import SigningOptions
@@ -42,7 +45,8 @@ BenchSizeOpt = Annotated[
         case_sensitive=False,
         help="Synthetic model size.",
         show_default="large; --mode trainer: the largest whose trainer fits in memory; "
-        "--mode sharded: a 2.56M-element model (fsdp-2.5m); --mode crossover, signing: medium",
+        "--mode sharded: a 2.56M-element model (fsdp-2.5m); --mode crossover, signing: medium; "
+        "--mode fleet: tiny",
     ),
 ]
 
@@ -51,7 +55,7 @@ def bench(
     ctx: typer.Context,
     size: BenchSizeOpt = None,
     mode: Annotated[
-        Literal["transfer", "trainer", "sharded", "crossover", "signing"],
+        Literal["transfer", "trainer", "sharded", "crossover", "signing", "fleet"],
         typer.Option(
             help="transfer: every system through every store; trainer: real AdamW steps on "
             "fp32 masters, each followed by a publish, the snapshot-free publisher beside the "
@@ -64,7 +68,11 @@ def bench(
             "Publisher.publish (anchor, delta) and Subscriber.sync (fresh reader, follower) "
             "unsigned vs Ed25519-signed through each --store, --repeats interleaved rounds, "
             "on/off ratios beside the floors (BLAKE3 of the frames, canonical bytes, one "
-            "sign / verify).",
+            "sign / verify); fleet: one publisher commits to a moto origin, N followers per "
+            "--followers poll it every --poll-interval through the --link (direct) or a "
+            "mirror of it (--store: local or moto) fed by one Mirror through that link: "
+            "origin requests and bytes per version and per poll interval, commit-to-sync "
+            "p50/p99.",
         ),
     ] = "transfer",
     densities: Annotated[
@@ -81,6 +89,13 @@ def bench(
             show_default="5e-8,1.5e-7,4e-7,1e-6,2.5e-6,6e-6,1.5e-5,5e-5: ~0.05% to ~19% changed",
         ),
     ] = None,
+    followers: Annotated[
+        str, typer.Option(help="--mode fleet: comma-separated follower counts, one run each.")
+    ] = "1,8,64",
+    poll_interval: Annotated[
+        float,
+        typer.Option(min=0.05, help="--mode fleet: every follower's and the mirror's poll, s."),
+    ] = 1.0,
     optimizer: Annotated[
         Literal["foreach", "fused", "single-tensor"],
         typer.Option(help="--mode trainer: the torch.optim.AdamW implementation."),
@@ -91,8 +106,9 @@ def bench(
     store: Annotated[
         str | None,
         typer.Option(
-            help="Comma-separated stores: local, moto (S3 over HTTP), or store URLs.",
-            show_default="local,moto; --mode signing: local",
+            help="Comma-separated stores: local, moto (S3 over HTTP), or store URLs. --mode "
+            "fleet: the mirror's store, local (a folder) or moto (a second moto, lan link).",
+            show_default="local,moto; --mode signing, fleet: local",
         ),
     ] = None,
     versions: Annotated[int, typer.Option(min=1, help="Measured versions (deltas).")] = 3,
@@ -134,7 +150,7 @@ def bench(
             help="Reach the moto store through a shaped link: lan (1 ms, 10 Gbit/s), region "
             "(20 ms, 2 Gbit/s) or cross-region (60 ms, 1 Gbit/s); latency per request, "
             "bandwidth per connection and in total.",
-            show_default="loopback",
+            show_default="loopback; --mode fleet: cross-region",
         ),
     ] = None,
     storage_option: StorageOpt = None,
@@ -169,6 +185,26 @@ def bench(
             log=log,
         )
         _trainer(options, json_path, markdown_path)
+        return
+    if mode == "fleet":
+        from deltastore.bench.fleet import FleetOptions
+
+        if store not in (None, "local", "moto"):
+            raise typer.BadParameter("--mode fleet: the mirror's store, local or moto")
+        fleet = FleetOptions(
+            size=size or "tiny",
+            followers=_counts(followers),
+            versions=versions,
+            poll_interval_s=poll_interval,
+            link=link or "cross-region",
+            mirror_store=store or "local",
+            lr=1e-6 if lr is None else lr,
+            seed=seed,
+            warmup=warmup,
+            workdir=workdir,
+            log=log,
+        )
+        _fleet(fleet, json_path, markdown_path)
         return
     if store is None:
         store = "local" if mode == "signing" else "local,moto"
@@ -297,6 +333,14 @@ def _numbers(text: str, hint: str) -> list[float]:
     return out
 
 
+def _counts(text: str) -> list[int]:
+    """``--followers``: comma-separated whole numbers, at least one, each 1 or more."""
+    out = _numbers(text, "--followers")
+    if not all(x == int(x) for x in out):
+        raise typer.BadParameter("give whole numbers", param_hint="--followers")
+    return [int(x) for x in out]
+
+
 def _crossover(
     options: CrossoverOptions, json_path: Path | None, markdown_path: Path | None
 ) -> None:
@@ -315,8 +359,24 @@ def _signing(options: SigningOptions, json_path: Path | None, markdown_path: Pat
     _finish(result, signing_markdown(result), json_path, markdown_path)
 
 
+def _fleet(options: FleetOptions, json_path: Path | None, markdown_path: Path | None) -> None:
+    """``--mode fleet``: run, write the JSON and markdown, print the report."""
+    from deltastore.bench.fleet import fleet_markdown, run_fleet
+    from deltastore.testing.link import LINKS
+
+    if options.link not in LINKS:
+        raise typer.BadParameter(f"choose one of {', '.join(LINKS)}", param_hint="--link")
+    result = run_fleet(options)
+    _finish(result, fleet_markdown(result), json_path, markdown_path)
+
+
 def _finish(
-    result: BenchResult | TrainerResult | ShardedResult | CrossoverResult | SigningResult,
+    result: BenchResult
+    | TrainerResult
+    | ShardedResult
+    | CrossoverResult
+    | SigningResult
+    | FleetResult,
     report: str,
     json_path: Path | None,
     markdown_path: Path | None,
