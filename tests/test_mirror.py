@@ -12,11 +12,11 @@ tensors bit for bit (their words compared as integers). What is checked:
 - signed sources mirror under the trusted keys; a forged manifest raises
   :class:`SignatureError`, a frame only its BLAKE3 catches :class:`IntegrityError`, and
   nothing of that version reaches the destination;
-- a destination written by another writer (a fork), and a destination data object of
-  another size than the source's (xfail: the API's rules, not the implementation's yet);
+- a destination written by another writer (a fork: :class:`ForkError`), and a damaged
+  destination data object of a version not yet committed there (copied again);
 - a corrupted frame stops the mirror before its version (:class:`IntegrityError` or
   :class:`FrameError`), and ``watch`` skips past it once the source has a newer anchor; a
-  version read damaged once is read again by the next pass (xfail: not yet);
+  version read damaged once is read again by the next pass;
 - retention at the source deleting versions the mirror has not copied: the mirror jumps to
   the newest anchor copy; a live mirror's lease keeps them;
 - two mirrors of one source into one destination at once; the CLI and its exit codes.
@@ -314,13 +314,6 @@ def test_a_frame_only_blake3_catches_is_refused(tmp_path: Path) -> None:
 # --- destinations written by someone else -----------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="run_once only copies versions above the destination's head: a destination "
-    "version with other bytes than the source's (another writer) is never compared, the "
-    "pass reports success, and the source's later deltas are only logged as not extending "
-    "it; the API says an existing different manifest raises ForkError",
-)
 def test_a_destination_forked_by_another_writer_raises_fork_error(tmp_path: Path) -> None:
     src = source(tmp_path / "src", 2)
     dst = tmp_path / "dst"
@@ -335,12 +328,6 @@ def test_a_destination_forked_by_another_writer_raises_fork_error(tmp_path: Path
     assert res.exit_code == 6, res.output
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a destination data object is skipped when listed, whatever its size (the API "
-    "says: skipped when listed with the same size): a short object left at the destination "
-    "is kept and version 4 is committed over it, unreadable",
-)
 def test_a_destination_object_of_another_size_is_copied_again(tmp_path: Path) -> None:
     src = source(tmp_path / "src", 3)
     dst = tmp_path / "dst"
@@ -427,12 +414,6 @@ def test_a_corrupted_frame_stops_the_mirror_and_watch_skips_to_a_newer_anchor(
     assert_readable(dst, src.states, behind=2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Mirror remembers a damaged version for its lifetime (_bad) and never reads it "
-    "again: a transient bad read stalls the mirror until the next anchor, although the API "
-    "and watch()'s docstring say a damaged version is retried at each poll",
-)
 def test_a_version_that_read_damaged_once_is_retried(tmp_path: Path) -> None:
     """A frame damaged on one read (a bad response) and fine on the next: the same mirror's
     next pass copies the version."""

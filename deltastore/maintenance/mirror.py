@@ -10,18 +10,21 @@ commit protocol's writes in the commit protocol's order (format v1, section 4.2)
 
 1. every data object of ``v``'s manifest and of its anchor copy (read whole from the source,
    every frame in it checked: its length, XXH3-64 and, when recorded, BLAKE3; then written);
-   an object the destination already lists is not copied again (objects are immutable and
-   written whole, so a listed object is complete: a restarted mirror resumes);
+   an object the destination already holds (a run stopped before this version's commit) is
+   read back from the destination and kept when its frames check out, so a restarted mirror
+   resumes without fetching it from the source again;
 2. the anchor copy ``anchors/<v>.json``, then the manifest ``manifests/<v>.json``, each with
    create-if-absent and exactly the source's bytes (an existing object with other bytes is a
    fork: :class:`ForkError`); signatures are checked on reading them when keys are held
    (``trusted_keys``), so a destination never holds a version a keyed reader would reject;
 3. ``LATEST``, by compare-and-swap, never backwards.
 
-A frame that fails its checks stops the pass at that version (:class:`IntegrityError`, or
+A destination whose newest version is not the source's version of that number (someone
+else writes it) is a :class:`ForkError`. A frame that fails its checks stops the pass at that version (:class:`IntegrityError`, or
 :class:`FrameError` for a truncated one): nothing of its manifest is written, earlier versions
-stay. A later pass skips a damaged version as soon as the source has an anchor (or anchor
-copy) after it. When the next version the destination needs is gone from the source
+stay. A later pass reads the damaged version again, and skips it as soon as the source has
+an anchor (or anchor copy) after it. A run stopped between a manifest and ``LATEST`` has its
+``LATEST`` brought forward by the next run's first pass. When the next version the destination needs is gone from the source
 (retention there), the mirror jumps to the newest anchor or anchor copy after the
 destination's head. A fresh destination starts at the source's oldest version that starts a
 chain (an anchor, or a version with an anchor copy), at the newest such version at or below
@@ -51,6 +54,7 @@ from deltastore.catalog.chain import ChainReader
 from deltastore.errors import (
     ChainError,
     DeltastoreError,
+    ForkError,
     FrameError,
     IntegrityError,
     ManifestError,
@@ -60,12 +64,13 @@ from deltastore.errors import (
 )
 from deltastore.format.keys import (
     ANCHOR_PREFIX,
+    LATEST_KEY,
     anchor_key,
     data_prefix,
     manifest_key,
     version_of_anchor_key,
 )
-from deltastore.format.manifest import Frame, Manifest, parse_manifest
+from deltastore.format.manifest import Frame, Manifest, parse_latest, parse_manifest
 from deltastore.format.signing import (
     FROM_ENV,
     KeyOption,
@@ -170,6 +175,7 @@ class Mirror:
         self._unsafe = unsafe_commits
         self._enforced: bool | None = None  # does the destination enforce create-if-absent
         self._bad: set[int] = set()  # source versions whose frames failed
+        self._settled = False  # LATEST checked against the destination's head
 
     # --- one pass ---------------------------------------------------------------------
 
@@ -181,12 +187,16 @@ class Mirror:
         head = self._dst.latest()
         if head is not None:
             self._lease.hold(head)
+            if not self._settled:  # LATEST of a run stopped between a manifest and it
+                self._settle_latest(head)
+                self._settled = True
         listed = self._src.versions_after(head)  # an idle poll: this one request
         copies = self._copies_after(head) if listed else set()
         for item in self._plan(head, listed, copies, tally):
             self._lease.hold(item.version)
             try:
                 self._copy(item, tally)
+                self._bad.discard(item.version)
             except (IntegrityError, FrameError, ManifestError) as exc:
                 self._bad.add(item.version)
                 raise type(exc)(
@@ -214,8 +224,9 @@ class Mirror:
     ) -> list[_Version]:
         """The versions to copy, ascending: each extends the previous one's chain, or
         starts a chain (an anchor, or a version with an anchor copy); versions that do
-        neither are skipped up to the newest start after them."""
-        todo = [v for v in listed if v not in self._bad]
+        neither are skipped up to the next start after them. :class:`ForkError` when the
+        destination's newest version is not the source's version of that number."""
+        todo = self._past_damage(list(listed), copies)
         if head is None:
             todo = self._start(todo, copies)
         out: list[_Version] = []
@@ -228,10 +239,10 @@ class Mirror:
             extends = (
                 parent is not None and parent.version == prev and parent.state_digest == digest
             )
+            if not extends and out == [] and head is not None:
+                self._check_same(head)  # a destination someone else wrote
             if not extends and not item.starts_chain:
-                later = self._newest_anchor(
-                    todo[i + 1 :], [v for v in todo[i + 1 :] if v in copies]
-                )
+                later = self._first_start(todo[i + 1 :], copies)
                 if later is None:
                     log.warning(
                         "source version %d does not extend the destination's version %s and "
@@ -249,6 +260,19 @@ class Mirror:
             i += 1
         return out
 
+    def _past_damage(self, todo: list[int], copies: set[int]) -> list[int]:
+        """``todo`` from past the newest version that failed its checks, when an anchor or
+        anchor copy follows it (that start is where the copy goes on); else as it is: the
+        damaged version is tried again (a damaged read may not be damaged data)."""
+        bad = max((v for v in todo if v in self._bad), default=None)
+        if bad is None:
+            return todo
+        start = self._first_start([v for v in todo if v > bad], copies)
+        if start is None:
+            return todo
+        log.warning("skipping the damaged source version %d: going on from version %d", bad, start)
+        return todo[todo.index(start) :]
+
     def _start(self, todo: list[int], copies: set[int]) -> list[int]:
         """The source versions a fresh destination copies: from the first that starts a
         chain (default), the newest at or below ``since``, or the newest (``anchor_first``)."""
@@ -265,6 +289,28 @@ class Mirror:
                 "mirror from: give another --since, or publish an anchor"
             )
         return todo[todo.index(start) :]
+
+    def _first_start(self, versions: Sequence[int], copies: set[int]) -> int | None:
+        """The oldest of ``versions`` that starts a chain (an anchor copy, else reading
+        manifests oldest first until an anchor)."""
+        for v in versions:
+            if v in copies or self._read(v, False).manifest.kind == "anchor":
+                return v
+        return None
+
+    def _check_same(self, version: int) -> None:
+        """Raise :class:`ForkError` unless the destination's manifest of ``version`` holds
+        the source's bytes (when the source still has it)."""
+        try:
+            theirs = self.source.get(manifest_key(version))
+        except ObjectNotFoundError:
+            return  # deleted at the source by retention: nothing to compare
+        if self.dest.get(manifest_key(version)) != theirs:
+            raise ForkError(
+                f"version {version} in store {self.dest.url} is not the source's: the "
+                "destination was written by someone else (a publisher, or a mirror of another "
+                "source); mirror into a store of its own"
+            )
 
     def _newest_anchor(self, versions: Sequence[int], with_copies: Sequence[int]) -> int | None:
         """The newest of ``versions`` that starts a chain (reading manifests newest first
@@ -325,22 +371,52 @@ class Mirror:
                 for f in t.frames:
                     frames.setdefault(f.object, []).append(f)
         present = set(self.dest.list(data_prefix(v)))
-        todo = sorted(k for k in frames if k not in present)
-        tally.skipped += len(frames) - len(todo)
-        if todo:
-            with ThreadPoolExecutor(min(self._workers, len(todo))) as pool:
-                done = [pool.submit(self._copy_object, k, frames[k], tally) for k in todo]
-                errors = [f.exception() for f in done]
-            first = next((e for e in errors if e is not None), None)
-            if first is not None:
-                raise first
-        if self._enforced is None:
-            self._enforced = conditional_writes(self.dest, unsafe_commits=self._unsafe)
+        keys = sorted(frames)
+        with ThreadPoolExecutor(min(self._workers, max(len(keys), 1))) as pool:
+            done = [pool.submit(self._place, k, frames[k], k in present, tally) for k in keys]
+            errors = [f.exception() for f in done]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
         copy_body = item.copy_body if item.copy is not None else None
-        replicate_version(self.dest, v, item.body, copy_body, enforced=self._enforced)
+        replicate_version(self.dest, v, item.body, copy_body, enforced=self._enforce())
         self._dst.note(v)
         tally.copied.append(v)
-        log.info("mirrored version %d (%d objects)", v, len(todo))
+        log.info("mirrored version %d (%d objects)", v, len(keys))
+
+    def _settle_latest(self, head: int) -> None:
+        """Bring the destination's ``LATEST`` to ``head`` when it is behind (a run stopped
+        after a manifest's create, before ``LATEST``); one read when it is not."""
+        try:
+            behind = parse_latest(self.dest.get(LATEST_KEY)).version < head
+        except ObjectNotFoundError:
+            behind = True
+        except DeltastoreError:
+            behind = True  # damaged: replaced
+        if behind:
+            body = self.dest.get(manifest_key(head))
+            replicate_version(self.dest, head, body, None, enforced=self._enforce())
+
+    def _enforce(self) -> bool:
+        """Whether the destination enforces create-if-absent (asked once)."""
+        if self._enforced is None:
+            self._enforced = conditional_writes(self.dest, unsafe_commits=self._unsafe)
+        return self._enforced
+
+    def _place(self, key: str, frames: list[Frame], present: bool, tally: _Tally) -> None:
+        """Make the destination hold data object ``key`` with ``frames`` intact: one it
+        already holds (a run stopped before this version's commit) is read back from it and
+        kept when every frame checks out; otherwise it is copied from the source."""
+        if present:
+            try:
+                _check_frames(key, self.dest.get(key), frames)
+            except (DeltastoreError, ValueError) as exc:
+                log.warning("%s at the destination is damaged (%s); copied again", key, exc)
+            else:
+                with tally.lock:
+                    tally.skipped += 1
+                return
+        self._copy_object(key, frames, tally)
 
     def _copy_object(self, key: str, frames: list[Frame], tally: _Tally) -> None:
         """Read ``key`` whole from the source, check each of its ``frames``, write it."""
@@ -351,14 +427,7 @@ class Mirror:
                 f"{key}, a data object of a committed version, is missing from store "
                 f"{self.source.url}"
             ) from None
-        view = memoryview(data)
-        for f in frames:
-            if f.offset + f.length > len(data):
-                raise FrameError(
-                    f"{key}: frame at offset {f.offset} is truncated "
-                    f"({max(0, len(data) - f.offset)} of {f.length} bytes)"
-                )
-            check_xxh3(f, view[f.offset : f.offset + f.length])  # and its BLAKE3
+        _check_frames(key, data, frames)
         self.dest.put(key, data)
         tally.add(len(data))
 
@@ -404,6 +473,19 @@ class Mirror:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_frames(key: str, data: bytes, frames: Sequence[Frame]) -> None:
+    """Raise unless each of ``frames`` is whole in ``data`` (object ``key``) with its XXH3-64
+    and, when recorded, its BLAKE3."""
+    view = memoryview(data)
+    for f in frames:
+        if f.offset + f.length > len(data):
+            raise FrameError(
+                f"{key}: frame at offset {f.offset} is truncated "
+                f"({max(0, len(data) - f.offset)} of {f.length} bytes)"
+            )
+        check_xxh3(f, view[f.offset : f.offset + f.length])  # and its BLAKE3
 
 
 def mirror(
