@@ -20,12 +20,13 @@ commit protocol's writes in the commit protocol's order (format v1, section 4.2)
 3. ``LATEST``, by compare-and-swap, never backwards.
 
 A destination whose newest version is not the source's version of that number (someone
-else writes it) is a :class:`ForkError`. A frame that fails its checks stops the pass at that version (:class:`IntegrityError`, or
-:class:`FrameError` for a truncated one): nothing of its manifest is written, earlier versions
-stay. A later pass reads the damaged version again, and skips it as soon as the source has
-an anchor (or anchor copy) after it. A run stopped between a manifest and ``LATEST`` has its
-``LATEST`` brought forward by the next run's first pass. When the next version the destination needs is gone from the source
-(retention there), the mirror jumps to the newest anchor or anchor copy after the
+else writes it) is a :class:`ForkError`. A frame that fails its checks stops the pass at that
+version (:class:`IntegrityError`, or :class:`FrameError` for a truncated one): nothing of its
+manifest is written, earlier versions stay. A later pass reads the damaged version again, and
+skips it as soon as the source has an anchor (or anchor copy) after it. A run stopped between
+a manifest and ``LATEST`` has its ``LATEST`` brought forward by the next run's first pass.
+When the next version the destination needs is gone from the source (retention there), the
+mirror jumps to the next anchor or anchor copy after the
 destination's head. A fresh destination starts at the source's oldest version that starts a
 chain (an anchor, or a version with an anchor copy), at the newest such version at or below
 ``since``, or (``anchor_first``) at the newest one.
