@@ -429,7 +429,11 @@ def run_fleet(options: FleetOptions) -> FleetResult:
         remote = {**origin.storage_options, "endpoint_url": link.endpoint}
         mirror = None
         if options.mirror_store == "moto":
-            mirror = stack.enter_context(open_bench_store("moto", run_id, link=LINKS["lan"]))
+            # moto's state is per process: the second server's objects go under a prefix of
+            # their own (one bucket in both)
+            mirror = stack.enter_context(
+                open_bench_store("moto", f"{run_id}-mirror", link=LINKS["lan"])
+            )
         env = _Env(
             options=options,
             wl=wl,
