@@ -154,7 +154,8 @@ def _check_run(run: FleetRun, interval: float) -> None:
         else:
             assert row.copy_s is not None and row.copy_s > 0
             assert row.origin.bytes >= row.stored_bytes  # the mirror read the version whole
-            assert row.mirror_lag_s is not None and row.mirror_lag_s >= row.copy_s - 1e-9
+            # the pass that copied it ended after the commit (it may have begun before)
+            assert row.mirror_lag_s is not None and row.mirror_lag_s > 0
     assert math.isclose(run.idle_requests_per_interval, run.idle.requests * interval / run.idle_s)
     windows = sum(r.origin.requests for r in run.versions) + run.idle.requests
     assert windows <= run.origin_requests
