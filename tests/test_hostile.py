@@ -40,8 +40,10 @@ garbage, truncated frames                  test_codecs::test_garbage_is_refused,
                                            test_truncated_frames_are_refused
 invalid ``xor-sparse`` bodies              test_codecs::test_invalid_xor_sparse_...       14
 invalid ``xor-patch`` bodies               test_codecs_patch::test_damaged_content_...     9
-schema-invalid manifests                   test_schema::test_invalid_examples_...         23
+schema-invalid manifests                   test_schema::test_invalid_examples_...         27
 JSON text and invariants beyond the schema test_schema::test_examples_beyond_the_...       10
+forged signatures, frames, objects, copies  test_signing_ed25519::test_subscriber_         10
+(Ed25519-signed store)                     refuses_and_applies_nothing
 =========================================  ==========================================  =====
 """
 
@@ -75,6 +77,7 @@ import tests.test_bad_input as bad_input
 import tests.test_codecs as test_codecs
 import tests.test_codecs_patch as test_codecs_patch
 import tests.test_schema as test_schema
+import tests.test_signing_ed25519 as test_signing_ed25519
 from deltastore import Subscriber, __version__
 from deltastore.errors import (
     DeltastoreError,
@@ -187,6 +190,7 @@ REFERENCES: list[tuple[Any, tuple[str, ...], int]] = [
     (test_codecs_patch, ("test_damaged_content_is_refused",), 9),
     (test_schema, ("test_invalid_examples_fail_schema_and_parser",), len(test_schema.INVALID)),
     (test_schema, ("test_examples_beyond_the_schema_fail_the_parser",), len(test_schema.BEYOND)),
+    (test_signing_ed25519, ("test_subscriber_refuses_and_applies_nothing",), 10),
 ]
 
 
@@ -200,7 +204,7 @@ def test_reference_table_is_current() -> None:
     """The tests the docstring's table points to exist and have the counted cases."""
     for module, names, count in REFERENCES:
         assert sum(_cases(getattr(module, name)) for name in names) == count, names
-    assert len(test_schema.INVALID) == 23 and len(test_schema.BEYOND) == 10
+    assert len(test_schema.INVALID) == 27 and len(test_schema.BEYOND) == 10
 
 
 # --- helpers -------------------------------------------------------------------------------
