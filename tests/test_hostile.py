@@ -42,7 +42,7 @@ invalid ``xor-sparse`` bodies              test_codecs::test_invalid_xor_sparse_
 invalid ``xor-patch`` bodies               test_codecs_patch::test_damaged_content_...     9
 schema-invalid manifests                   test_schema::test_invalid_examples_...         27
 JSON text and invariants beyond the schema test_schema::test_examples_beyond_the_...       10
-forged signatures, frames, objects       test_signing_ed25519::test_subscriber_          10
+forged signatures, frames, objects         test_signing_ed25519::test_subscriber_         10
 (an Ed25519-signed store)                  refuses_and_applies_nothing
 =========================================  ==========================================  =====
 """
