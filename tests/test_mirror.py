@@ -542,3 +542,17 @@ def test_cli_mirror(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["copied"] == [5] and versions_at(fresh) == [5]
     assert_readable(fresh, src.states)
+
+
+def test_mirrors_chain(tmp_path: Path) -> None:
+    """region -> cluster -> rack: a mirror of a mirror is a store like any other."""
+    src = source(tmp_path / "src", 4)
+    region, rack = tmp_path / "region", tmp_path / "rack"
+    assert mirror(src.root, region).copied == (1, 2, 3, 4)
+    assert mirror(region, rack).copied == (1, 2, 3, 4)
+    src.publish(5)
+    assert mirror(src.root, region).copied == (5,)
+    assert mirror(region, rack).copied == (5,)
+    assert contents(rack) == contents(src.root)
+    sub = Subscriber(rack, lease_ttl=None)
+    assert sub.sync().version == 5 and same_bits(src.states[5], dict(sub.tensors or {}))

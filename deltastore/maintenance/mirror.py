@@ -177,6 +177,7 @@ class Mirror:
         self._enforced: bool | None = None  # does the destination enforce create-if-absent
         self._bad: set[int] = set()  # source versions whose frames failed
         self._settled = False  # LATEST checked against the destination's head
+        self._read_cache: dict[str, bytes] = {}  # this pass's source manifests and copies
 
     # --- one pass ---------------------------------------------------------------------
 
@@ -185,6 +186,7 @@ class Mirror:
         first damaged version raises, after the versions before it are copied."""
         t0 = time.perf_counter()
         tally = _Tally()
+        self._read_cache.clear()
         head = self._dst.latest()
         if head is not None:
             self._lease.hold(head)
@@ -342,8 +344,12 @@ class Mirror:
         return _Version(version, m, body, copy, copy_body)
 
     def _get(self, key: str) -> bytes:
+        """A source manifest or anchor copy's bytes (read once per pass)."""
+        cached = self._read_cache.get(key)
+        if cached is not None:
+            return cached
         try:
-            return self.source.get(key)
+            data = self.source.get(key)
         except ObjectNotFoundError:
             if key.startswith(ANCHOR_PREFIX):
                 raise
@@ -351,6 +357,8 @@ class Mirror:
                 f"{key} is gone from store {self.source.url} (retention there?); the next pass "
                 "goes on from the newest anchor or anchor copy"
             ) from None
+        self._read_cache[key] = data
+        return data
 
     def _check(self, key: str, body: bytes, version: int, *, anchor: bool = False) -> Manifest:
         m = parse_manifest(body, key=key)
