@@ -142,7 +142,18 @@ def test_help_breaks_no_sentence_where_the_width_allows_one_line() -> None:
     and at the top of `COMMAND --help`: a second line there is a stray line break."""
     wide = {"COLUMNS": "250", "TERM": "xterm"}
     out = cli("--help", env=wide).stdout
-    commands = ("publish", "pull", "log", "show", "gc", "verify", "mirror", "keygen", "demo", "bench")
+    commands = (
+        "publish",
+        "pull",
+        "log",
+        "show",
+        "gc",
+        "verify",
+        "mirror",
+        "keygen",
+        "demo",
+        "bench",
+    )
     panel = [row for row in out[out.index("Commands") :].splitlines() if row.startswith("│")]
     assert [line.split()[1] for line in panel] == list(commands), out
     for name in commands:
