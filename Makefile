@@ -75,3 +75,28 @@ schema: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) .azurite .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# Trainer integrations (deltastore.integrations, docs/integrations.md): each
+# tests/integrations/test_<name>.py runs in a venv of its own (.venv-<name>, its framework
+# installed by the extra `<name>`) by the target test-<name>, against a real `vllm serve`
+# from $(VENV_VLLM); test-integrations runs them all (each integration adds its target as a
+# prerequisite, e.g. `test-integrations: test-trl`).
+.PHONY: test-integrations test-trl
+VENV_TRL := .venv-trl
+TRL_STAMP := $(VENV_TRL)/.installed-stamp
+# Optional: a folder of wheels pip may take trl from (where the index lacks trl 1.16)
+TRL_FIND_LINKS ?=
+
+# First run only: torch, trl and its dependencies (transformers, accelerate, datasets, ...).
+$(TRL_STAMP): pyproject.toml
+	@echo "==> creating $(VENV_TRL) for the TRL integration test (first run only)..."
+	test -x $(VENV_TRL)/bin/python || $(PYTHON) -m venv $(VENV_TRL)
+	$(VENV_TRL)/bin/python -m pip install --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	$(VENV_TRL)/bin/python -m pip install --disable-pip-version-check $(if $(TRL_FIND_LINKS),--find-links $(TRL_FIND_LINKS)) -e '.[trl]' pytest
+	touch $(TRL_STAMP)
+	@echo "==> $(VENV_TRL) is ready"
+
+test-trl: $(TRL_STAMP) $(VLLM_STAMP)
+	$(VENV_TRL)/bin/python -m pytest -q --durations=10 tests/integrations/test_trl.py
+
+test-integrations: test-trl
