@@ -53,8 +53,15 @@ from deltastore.bench.crossover_schema import (
     StoreCrossover,
 )
 from deltastore.bench.ops import Differ, load_average, stderr_log
-from deltastore.bench.runner import BenchStore, StoreUnavailable, machine_info, open_bench_store
-from deltastore.bench.schema import BarCheck, LinkInfo
+from deltastore.bench.runner import (
+    BenchStore,
+    StoreUnavailable,
+    link_info,
+    open_bench_store,
+    run_header,
+    workload_header,
+)
+from deltastore.bench.schema import BarCheck
 from deltastore.bench.worker import PublishRun, SyncRun, Task, spawn
 from deltastore.bench.workload import (
     INDEX,
@@ -368,17 +375,7 @@ def run_store(
             + ("" if p.exact else "  NOT BIT-EXACT")
         )
     cross = crossing([p.density for p in points], [p.ratio for p in points])
-    link = None
-    if store.link is not None:
-        lp = store.link
-        link = LinkInfo(
-            name=lp.name,
-            latency_s=lp.latency_s,
-            conn_bits_per_s=lp.conn_bits_per_s,
-            total_bits_per_s=lp.total_bits_per_s,
-            dense_floor_s=lp.latency_s + 8 * chain.dense_bytes / lp.total_bits_per_s,
-            deltastore_floor_s=None,
-        )
+    link = link_info(store.link, chain.dense_bytes) if store.link is not None else None
     return StoreCrossover(
         store=store.label,
         link=link,
@@ -427,18 +424,11 @@ def run_crossover(options: CrossoverOptions) -> CrossoverResult:
         where = f"{100 * c.density:.3f}% changed" if c.density is not None else c.status
         log(f"crossover [{s.store}]: {where}")
     return CrossoverResult(
-        created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        machine=machine_info(),
-        size=options.size,
-        elements=chain.numel,
-        tensors=len(chain.index.tensors),
-        dense_bytes=chain.dense_bytes,
-        seed=options.seed,
+        **dict(run_header()),
+        **dict(workload_header(chain, generated)),
         lrs=lrs,
         versions_per_point=options.versions,
         warmup_versions=WARMUP,
-        folder=str(chain.folder),
-        generated_now=generated,
         generate_s=chain.index.generate_s,
         stores=stores,
         bars=[check(s.store, s.crossover) for s in stores],

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from deltastore.bench.schema import BarCheck, LinkInfo, Machine
+from deltastore.bench.schema import BarCheck, LinkInfo, RunHeader, WorkloadHeader
 
 CROSSOVER_SCHEMA_VERSION = 1
 
@@ -104,8 +104,10 @@ class StoreCrossover(_Model):
     exact: bool
 
 
-class CrossoverResult(_Model):
-    """The whole run (``deltastore bench --mode crossover --json``).
+class CrossoverResult(WorkloadHeader, RunHeader):
+    """The whole run (``deltastore bench --mode crossover --json``); its first fields are
+    :class:`~deltastore.bench.schema.RunHeader`'s and
+    :class:`~deltastore.bench.schema.WorkloadHeader`'s.
 
     The workload: ``size`` (``elements``, ``tensors``, ``dense_bytes`` of bf16), one chain of
     versions from one base (the initial weights, AdamW in its stationary state),
@@ -118,22 +120,13 @@ class CrossoverResult(_Model):
 
     mode: Literal["crossover"] = "crossover"
     schema_version: Literal[1] = 1
-    created: str
-    machine: Machine
-    size: str
-    elements: int
-    tensors: int
-    dense_bytes: int
-    seed: int
     lrs: list[float]
     versions_per_point: int
     warmup_versions: int
-    folder: str
-    generated_now: bool
     generate_s: float
     stores: list[StoreCrossover]
     bars: list[BarCheck]
     exact: bool
     skipped: list[str]
-    load_average: list[float] = []
+    load_average: list[float] = Field(default_factory=list)
     wall_s: float

@@ -58,8 +58,13 @@ from deltastore.bench.fleet_schema import (
     fleet_markdown,
 )
 from deltastore.bench.ops import digest, flat_buffer, load_average, stderr_log
-from deltastore.bench.runner import BenchStore, machine_info, open_bench_store
-from deltastore.bench.schema import LinkInfo
+from deltastore.bench.runner import (
+    BenchStore,
+    adamw_header,
+    link_info,
+    open_bench_store,
+    run_header,
+)
 from deltastore.bench.workload import SIZES, Workload, WorkloadSpec
 from deltastore.format.keys import MANIFEST_PREFIX, anchor_key, data_prefix, manifest_key
 from deltastore.publish.publisher import Publisher
@@ -459,27 +464,11 @@ def run_fleet(options: FleetOptions) -> FleetResult:
                 )
     label = f"moto+{profile.name}"
     return FleetResult(
-        created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        machine=machine_info(),
-        size=options.size,
-        elements=wl.numel,
-        tensors=len(wl.index.tensors),
-        dense_bytes=wl.dense_bytes,
-        lr=options.lr,
-        seed=options.seed,
-        warmup=options.warmup,
+        **dict(run_header()),
+        **dict(adamw_header(wl, generated)),
         versions=options.versions,
-        folder=str(wl.folder),
-        generated_now=generated,
         origin=label,
-        link=LinkInfo(
-            name=profile.name,
-            latency_s=profile.latency_s,
-            conn_bits_per_s=profile.conn_bits_per_s,
-            total_bits_per_s=profile.total_bits_per_s,
-            dense_floor_s=profile.latency_s + 8 * wl.dense_bytes / profile.total_bits_per_s,
-            deltastore_floor_s=None,
-        ),
+        link=link_info(profile, wl.dense_bytes),
         mirror_store="local" if options.mirror_store == "local" else "moto+lan",
         poll_interval_s=options.poll_interval_s,
         followers=list(options.followers),

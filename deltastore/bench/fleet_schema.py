@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from deltastore.bench.fmt import measured, nbytes, table
-from deltastore.bench.schema import BarCheck, LinkInfo, Machine
+from deltastore.bench.schema import AdamWHeader, BarCheck, LinkInfo, RunHeader
 
 FLEET_SCHEMA_VERSION = 1
 #: Tolerance of the check "mirror origin bytes per version = 1x the stored bytes".
@@ -139,8 +139,10 @@ class FleetRun(_Model):
     wall_s: float
 
 
-class FleetResult(_Model):
-    """The whole run (``deltastore bench --mode fleet --json``).
+class FleetResult(AdamWHeader, RunHeader):
+    """The whole run (``deltastore bench --mode fleet --json``); its first fields are
+    :class:`~deltastore.bench.schema.RunHeader`'s and
+    :class:`~deltastore.bench.schema.AdamWHeader`'s.
 
     The workload: ``size`` (``elements``, ``tensors``, ``dense_bytes`` of bf16), the bench's
     (:mod:`deltastore.bench.workload`, cached in ``folder``): version 0, the anchor, then
@@ -155,18 +157,7 @@ class FleetResult(_Model):
 
     mode: Literal["fleet"] = "fleet"
     schema_version: Literal[1] = 1
-    created: str
-    machine: Machine
-    size: str
-    elements: int
-    tensors: int
-    dense_bytes: int
-    lr: float
-    seed: int
-    warmup: int
     versions: int
-    folder: str
-    generated_now: bool
     origin: str
     link: LinkInfo
     mirror_store: str
@@ -177,7 +168,7 @@ class FleetResult(_Model):
     checks: list[BarCheck]
     exact: bool
     skipped: list[str]
-    load_average: list[float] = []
+    load_average: list[float] = Field(default_factory=list)
     wall_s: float
 
 

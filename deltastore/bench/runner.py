@@ -40,16 +40,19 @@ from deltastore.bench.analysis import (
 from deltastore.bench.ops import cpu_model, memory_bytes, stderr_log
 from deltastore.bench.schema import (
     SYSTEMS,
+    AdamWHeader,
     BenchResult,
     FloorSample,
     LinkInfo,
     Machine,
     Medians,
+    RunHeader,
     ScalingResult,
     ScalingSide,
     ServingSample,
     StoreResult,
     SystemResult,
+    WorkloadHeader,
     WorkloadInfo,
 )
 from deltastore.bench.worker import PublishRun, SyncRun, Task, spawn
@@ -194,6 +197,56 @@ def machine_info() -> Machine:
     )
 
 
+def link_info(p: LinkProfile, dense_bytes: int, payload_bytes: int | None = None) -> LinkInfo:
+    """The :class:`LinkInfo` of the shaped link ``p``: its profile, ``dense_floor_s`` (one
+    request, then ``dense_bytes`` at the total bandwidth) and ``deltastore_floor_s`` (two
+    requests one after the other, then ``payload_bytes``, deltastore's median payload), None
+    when ``payload_bytes`` is. Seconds; bytes are 8 bits on the link."""
+    ds_floor = None
+    if payload_bytes is not None:
+        ds_floor = 2 * p.latency_s + 8 * payload_bytes / p.total_bits_per_s
+    return LinkInfo(
+        name=p.name,
+        latency_s=p.latency_s,
+        conn_bits_per_s=p.conn_bits_per_s,
+        total_bits_per_s=p.total_bits_per_s,
+        dense_floor_s=p.latency_s + 8 * dense_bytes / p.total_bits_per_s,
+        deltastore_floor_s=ds_floor,
+    )
+
+
+def run_header() -> RunHeader:
+    """The :class:`RunHeader` of a run ending now: ``created`` the current UTC time to the
+    second, and this machine. A mode's runner calls it as it builds its result, after the
+    measurements (``created`` marks the run's end), and passes the fields on with
+    ``Result(**dict(run_header()), ...)``."""
+    now = dt.datetime.now(dt.timezone.utc)
+    return RunHeader(created=now.isoformat(timespec="seconds"), machine=machine_info())
+
+
+def workload_header(wl: Workload, generated: bool) -> WorkloadHeader:
+    """The :class:`WorkloadHeader` of ``wl``, read off its index (size name, seed) and its
+    files (elements, tensors, bf16 bytes, folder); ``generated``: whether this run made it,
+    as :meth:`Workload.ensure` says."""
+    return WorkloadHeader(
+        size=wl.index.size,
+        elements=wl.numel,
+        tensors=len(wl.index.tensors),
+        dense_bytes=wl.dense_bytes,
+        seed=wl.index.seed,
+        folder=str(wl.folder),
+        generated_now=generated,
+    )
+
+
+def adamw_header(wl: Workload, generated: bool) -> AdamWHeader:
+    """:func:`workload_header` with the workload's learning rate and warm-up steps (its
+    index's: those of the :class:`WorkloadSpec` it was generated from)."""
+    return AdamWHeader(
+        **dict(workload_header(wl, generated)), lr=wl.index.lr, warmup=wl.index.warmup
+    )
+
+
 @dataclass(frozen=True)
 class Scaling:
     """Scaling versions to append to deltastore's run: flipped words per version, versions."""
@@ -313,17 +366,8 @@ def run_store(
     ds = meds.get("deltastore")
     link = None
     if store.link is not None:
-        p = store.link
-        link = LinkInfo(
-            name=p.name,
-            latency_s=p.latency_s,
-            conn_bits_per_s=p.conn_bits_per_s,
-            total_bits_per_s=p.total_bits_per_s,
-            dense_floor_s=p.latency_s + 8 * wl.dense_bytes / p.total_bits_per_s,
-            deltastore_floor_s=2 * p.latency_s + 8 * ds.publish.payload_bytes / p.total_bits_per_s
-            if ds
-            else None,
-        )
+        payload = ds.publish.payload_bytes if ds else None
+        link = link_info(store.link, wl.dense_bytes, payload)
     result = StoreResult(
         store=store.label,
         systems=results,
@@ -350,20 +394,12 @@ def _workload_info(wl: Workload, generated: bool) -> WorkloadInfo:
     idx = wl.index
     measured = range(1, wl.files)
     return WorkloadInfo(
-        size=idx.size,
-        elements=wl.numel,
-        tensors=len(idx.tensors),
-        dense_bytes=wl.dense_bytes,
-        lr=idx.lr,
-        seed=idx.seed,
-        warmup=idx.warmup,
+        **dict(adamw_header(wl, generated)),
         versions=idx.versions,
         changed_elements=[idx.changed[i] for i in measured],
         changed_fraction=[wl.changed_fraction(i) for i in measured],
         digests=[idx.digests[i] for i in measured],
-        generated_now=generated,
         generate_s=idx.generate_s,
-        folder=str(wl.folder),
     )
 
 
@@ -418,8 +454,7 @@ def run_bench(options: BenchOptions) -> BenchResult:
         scaling is None or (scaling.small.exact and scaling.target.exact)
     )
     return BenchResult(
-        created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        machine=machine_info(),
+        **dict(run_header()),
         workload=_workload_info(wl, generated),
         stores=stores,
         scaling=scaling,

@@ -376,32 +376,56 @@ class Machine(_Model):
     deltastore: str
 
 
-class WorkloadInfo(_Model):
-    """The versions measured. Lists are per measured version (the base is not in them);
-    ``generate_s`` is the generation time, whether it happened in this run or not."""
+class RunHeader(_Model):
+    """When and on what a run ran, the first fields of every mode's result: ``created``, the
+    run's end as ISO 8601 in UTC to the second (``2026-12-03T09:15:02+00:00``), and the
+    ``machine``. :func:`deltastore.bench.runner.run_header` makes them."""
+
+    created: str
+    machine: Machine
+
+
+class WorkloadHeader(_Model):
+    """The cached workload a run measured (:mod:`deltastore.bench.workload`, or a chain of its
+    own cached the same way): its ``size`` name, the model's ``elements`` and ``tensors``,
+    ``dense_bytes`` of one version in bf16 (2 bytes an element), the generator's ``seed``,
+    the ``folder`` it is cached in and ``generated_now``: whether this run generated it.
+    :func:`deltastore.bench.runner.workload_header` reads them off the workload."""
 
     size: str
     elements: int
     tensors: int
     dense_bytes: int
-    lr: float
     seed: int
+    folder: str
+    generated_now: bool
+
+
+class AdamWHeader(WorkloadHeader):
+    """A :class:`WorkloadHeader` of AdamW steps at one learning rate: ``lr``, and ``warmup``
+    steps from the stationary state before the base (version 0).
+    :func:`deltastore.bench.runner.adamw_header` reads them off the workload."""
+
+    lr: float
     warmup: int
+
+
+class WorkloadInfo(AdamWHeader):
+    """The versions measured: ``versions`` AdamW steps after the base. Lists are per measured
+    version (the base is not in them); ``generate_s`` is the generation time, whether it
+    happened in this run or not."""
+
     versions: int
     changed_elements: list[int]
     changed_fraction: list[float]
     digests: list[str]
-    generated_now: bool
     generate_s: float
-    folder: str
 
 
-class BenchResult(_Model):
-    """The whole run (``deltastore bench --json``)."""
+class BenchResult(RunHeader):
+    """The whole run (``deltastore bench --json``); its first fields are :class:`RunHeader`'s."""
 
     schema_version: Literal[2] = 2
-    created: str
-    machine: Machine
     workload: WorkloadInfo
     stores: list[StoreResult]
     scaling: ScalingResult | None

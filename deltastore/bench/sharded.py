@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import datetime as dt
 import gc
 import multiprocessing
 import os
@@ -420,7 +419,7 @@ def bar_checks(summary: Sequence[DensitySummary]) -> list[BarCheck]:
 
 def run_sharded(options: ShardedOptions) -> ShardedResult:
     """Run the sharded publish bench (see the module docstring)."""
-    from deltastore.bench.runner import machine_info
+    from deltastore.bench.runner import run_header
 
     t_start = time.perf_counter()
     load_start = load_average()
@@ -466,8 +465,7 @@ def run_sharded(options: ShardedOptions) -> ShardedResult:
             f"{s.traced_ratio:.2f} (held {s.traced_held_ratio:.2f}), publish {s.publish_s:.3f} s"
         )
     return ShardedResult(
-        created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        machine=machine_info(),
+        **dict(run_header()),
         size=options.size,
         elements=numel,
         tensors=len(config.shapes()),

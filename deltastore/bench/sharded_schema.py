@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from deltastore.bench.schema import BarCheck, Machine
+from deltastore.bench.schema import BarCheck, RunHeader
 
 SHARDED_SCHEMA_VERSION = 1
 
@@ -94,8 +94,9 @@ class DensitySummary(_Model):
     payload_ratio: float
 
 
-class ShardedResult(_Model):
-    """The whole run (``deltastore bench --mode sharded --json``).
+class ShardedResult(RunHeader):
+    """The whole run (``deltastore bench --mode sharded --json``); its first fields are
+    :class:`~deltastore.bench.schema.RunHeader`'s.
 
     ``size``: the model's size name (``fsdp-2.5m``: the 2.5M-element model of the report this
     bench was written for, else a name of the bench's table); ``world`` writers, each a process
@@ -106,8 +107,6 @@ class ShardedResult(_Model):
 
     mode: Literal["sharded"] = "sharded"
     schema_version: Literal[1] = 1
-    created: str
-    machine: Machine
     size: str
     elements: int
     tensors: int
@@ -124,7 +123,7 @@ class ShardedResult(_Model):
     #: buffer of 128 KiB or more a mapping of its own, returned when freed, so that RSS shows
     #: the live peak without what glibc keeps of freed buffers).
     allocator: str = "glibc default"
-    load_average: list[float] = []
+    load_average: list[float] = Field(default_factory=list)
     bars: list[BarCheck]
     exact: bool
     wall_s: float

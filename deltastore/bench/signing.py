@@ -45,7 +45,13 @@ import numpy as np
 
 from deltastore.bench.fmt import nbytes, table
 from deltastore.bench.ops import digest, flat_buffer, load_average, stderr_log
-from deltastore.bench.runner import BenchStore, StoreUnavailable, machine_info, open_bench_store
+from deltastore.bench.runner import (
+    BenchStore,
+    StoreUnavailable,
+    adamw_header,
+    open_bench_store,
+    run_header,
+)
 from deltastore.bench.signing_schema import (
     Comparison,
     Floors,
@@ -380,21 +386,12 @@ def run_signing(options: SigningOptions) -> SigningResult:
             log(f"store {name} skipped: {exc}")
             skipped.append(f"{name}: {exc}")
     return SigningResult(
-        created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        machine=machine_info(),
-        size=options.size,
-        elements=wl.numel,
-        tensors=len(wl.index.tensors),
-        dense_bytes=wl.dense_bytes,
-        lr=options.lr,
-        seed=options.seed,
-        warmup=options.warmup,
+        **dict(run_header()),
+        **dict(adamw_header(wl, generated)),
         changed_elements=changed,
         density=changed / wl.numel,
         repeats=options.repeats,
         key_id=KEY_ID,
-        folder=str(wl.folder),
-        generated_now=generated,
         stores=stores,
         exact=all(s.exact for s in stores),
         skipped=skipped,

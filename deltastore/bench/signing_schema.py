@@ -16,9 +16,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from deltastore.bench.schema import Machine
+from deltastore.bench.schema import AdamWHeader, RunHeader
 
 SIGNING_SCHEMA_VERSION = 1
 
@@ -112,8 +112,10 @@ class StoreSigning(_Model):
     exact: bool
 
 
-class SigningResult(_Model):
-    """The whole run (``deltastore bench --mode signing --json``).
+class SigningResult(AdamWHeader, RunHeader):
+    """The whole run (``deltastore bench --mode signing --json``); its first fields are
+    :class:`~deltastore.bench.schema.RunHeader`'s and
+    :class:`~deltastore.bench.schema.AdamWHeader`'s.
 
     The workload: ``size`` (``elements``, ``tensors``, ``dense_bytes`` of bf16), the bench's
     workload (:mod:`deltastore.bench.workload`: AdamW steps at ``lr`` from the stationary
@@ -126,25 +128,14 @@ class SigningResult(_Model):
 
     mode: Literal["signing"] = "signing"
     schema_version: Literal[1] = 1
-    created: str
-    machine: Machine
-    size: str
-    elements: int
-    tensors: int
-    dense_bytes: int
-    lr: float
-    seed: int
-    warmup: int
     changed_elements: int
     density: float
     repeats: int
     key_id: str
-    folder: str
-    generated_now: bool
     stores: list[StoreSigning]
     exact: bool
     skipped: list[str]
-    load_average: list[float] = []
+    load_average: list[float] = Field(default_factory=list)
     wall_s: float
 
 

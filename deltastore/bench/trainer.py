@@ -22,7 +22,6 @@ children run.
 
 from __future__ import annotations
 
-import datetime as dt
 import multiprocessing
 import os
 import shutil
@@ -464,7 +463,7 @@ def bar_checks(
 
 def run_trainer(options: TrainerOptions) -> TrainerResult:
     """Run the trainer-in-the-loop bench (see the module docstring)."""
-    from deltastore.bench.runner import machine_info
+    from deltastore.bench.runner import run_header
 
     t_start = time.perf_counter()
     load_start = load_average()
@@ -518,8 +517,7 @@ def run_trainer(options: TrainerOptions) -> TrainerResult:
         ]
     payload = float(statistics.median(ratios)) if ratios else None
     return TrainerResult(
-        created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        machine=machine_info(),
+        **dict(run_header()),
         size=size,
         size_reason=why,
         elements=numel,

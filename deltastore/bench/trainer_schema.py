@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from deltastore.bench.schema import BarCheck, Machine
+from deltastore.bench.schema import BarCheck, RunHeader
 
 TRAINER_SCHEMA_VERSION = 1
 
@@ -110,8 +110,9 @@ class PublisherRun(_Model):
     exact: bool | None
 
 
-class TrainerResult(_Model):
-    """The whole trainer-in-the-loop run (``deltastore bench --mode trainer --json``).
+class TrainerResult(RunHeader):
+    """The whole trainer-in-the-loop run (``deltastore bench --mode trainer --json``); its
+    first fields are :class:`~deltastore.bench.schema.RunHeader`'s.
 
     ``size``: the bench model size trained, ``size_reason`` why it and not a larger one (the
     trainer's fp32 state must fit beside the run); ``optimizer``: the AdamW implementation
@@ -126,8 +127,6 @@ class TrainerResult(_Model):
 
     mode: Literal["trainer"] = "trainer"
     schema_version: Literal[1] = 1
-    created: str
-    machine: Machine
     size: str
     size_reason: str
     elements: int
@@ -147,7 +146,7 @@ class TrainerResult(_Model):
     rss_method: str
     #: The machine's 1-minute load average at the start and at the end of the run (the
     #: timings of a run on a busy machine vary from version to version).
-    load_average: list[float] = []
+    load_average: list[float] = Field(default_factory=list)
     bars: list[BarCheck]
     exact: bool
     wall_s: float
