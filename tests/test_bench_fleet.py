@@ -1,7 +1,9 @@
 """``deltastore bench --mode fleet``: the origin meter counts every call and the bytes returned,
 exactly; the checks follow from the runs' numbers (synthetic runs: pass, fail, n/a); and a
 tiny run through the CLI writes a JSON whose every count, ratio and percentile is computed
-from its measured samples, with every follower bit-exact. No timing is asserted."""
+from its measured samples, with every follower bit-exact. No timing is asserted. Also the
+pieces the modes' results share: a shaped link's floors, and the committed results JSONs still
+load."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pydantic import BaseModel
 from typer.testing import CliRunner
 
+from deltastore.bench.crossover_schema import CrossoverResult
 from deltastore.bench.fleet import _Ledger, _Meter
 from deltastore.bench.fleet_schema import (
     BYTES_TOLERANCE,
@@ -25,7 +29,13 @@ from deltastore.bench.fleet_schema import (
     fleet_markdown,
     percentile,
 )
+from deltastore.bench.runner import link_info
+from deltastore.bench.schema import SCHEMA_VERSION, BenchResult
+from deltastore.bench.sharded_schema import ShardedResult
+from deltastore.bench.signing_schema import SigningResult
+from deltastore.bench.trainer_schema import TrainerResult
 from deltastore.store import open_store
+from deltastore.testing.link import LINKS
 from deltastore.testing.sizes import SIZES
 from deltastore_cli import app
 
@@ -191,3 +201,42 @@ def test_a_tiny_run_writes_a_consistent_result(tmp_path: Path) -> None:
             assert (c.status == "pass") == (c.measured <= c.threshold)
     assert md.read_text() == fleet_markdown(res)
     assert md.read_text() in result.output
+
+
+# --- the pieces every mode's result shares -----------------------------------------------
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def test_link_info_floors_are_the_links_alone() -> None:
+    # cross-region: 60 ms a request, 1 Gbit/s in total; 125 MB take 1 s, 1.25 MB 10 ms
+    info = link_info(LINKS["cross-region"], 125_000_000, 1_250_000)
+    assert (info.name, info.latency_s) == ("cross-region", 0.06)
+    assert info.conn_bits_per_s == info.total_bits_per_s == 1e9
+    assert info.dense_floor_s == pytest.approx(1.06, rel=1e-12)
+    assert info.deltastore_floor_s == pytest.approx(0.13, rel=1e-12)
+    assert link_info(LINKS["cross-region"], 125_000_000).deltastore_floor_s is None
+
+
+def test_the_committed_results_still_load() -> None:
+    """Every committed results JSON of a mode (and every main-bench one of the current
+    schema) validates: no header field renamed, gone or added as required."""
+    models: dict[str | None, type[BaseModel]] = {
+        "fleet": FleetResult,
+        "signing": SigningResult,
+        "crossover": CrossoverResult,
+        "sharded": ShardedResult,
+        "trainer": TrainerResult,
+    }
+    loaded = 0
+    for path in sorted(RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        model = models.get(data.get("mode"))
+        if model is None and data.get("schema_version") == SCHEMA_VERSION and "mode" not in data:
+            model = BenchResult
+        if model is None:
+            continue
+        result = model.model_validate(data)
+        assert set(data) <= set(result.model_dump()), path.name
+        loaded += 1
+    assert loaded > 0
