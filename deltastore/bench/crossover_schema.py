@@ -105,9 +105,7 @@ class StoreCrossover(_Model):
 
 
 class CrossoverResult(WorkloadHeader, RunHeader):
-    """The whole run (``deltastore bench --mode crossover --json``); its first fields are
-    :class:`~deltastore.bench.schema.RunHeader`'s and
-    :class:`~deltastore.bench.schema.WorkloadHeader`'s.
+    """The whole run (``deltastore bench --mode crossover --json``).
 
     The workload: ``size`` (``elements``, ``tensors``, ``dense_bytes`` of bf16), one chain of
     versions from one base (the initial weights, AdamW in its stationary state),
@@ -116,7 +114,9 @@ class CrossoverResult(WorkloadHeader, RunHeader):
     steps at each of ``lrs`` in turn; ``folder`` caches it.
     ``bars``: per store the reported check ``crossover density`` (op ``report``, status
     ``reported``: this mode has no bar; ``measured`` None outside the sweep).
-    ``exact``: every receiver, deltastore's and dense's, bit-exact at every version."""
+    ``exact``: every receiver, deltastore's and dense's, bit-exact at every version.
+    Header fields (first in the JSON): :class:`~deltastore.bench.schema.RunHeader`,
+    :class:`~deltastore.bench.schema.WorkloadHeader`."""
 
     mode: Literal["crossover"] = "crossover"
     schema_version: Literal[1] = 1

@@ -140,9 +140,7 @@ class FleetRun(_Model):
 
 
 class FleetResult(AdamWHeader, RunHeader):
-    """The whole run (``deltastore bench --mode fleet --json``); its first fields are
-    :class:`~deltastore.bench.schema.RunHeader`'s and
-    :class:`~deltastore.bench.schema.AdamWHeader`'s.
+    """The whole run (``deltastore bench --mode fleet --json``).
 
     The workload: ``size`` (``elements``, ``tensors``, ``dense_bytes`` of bf16), the bench's
     (:mod:`deltastore.bench.workload`, cached in ``folder``): version 0, the anchor, then
@@ -153,7 +151,9 @@ class FleetResult(AdamWHeader, RunHeader):
     ``runs``: one per followers count and side, in the order run; ``checks``: the acceptance
     checks (``status`` pass / fail / n/a; ``store`` the origin label). ``mirror``: whether
     :class:`~deltastore.maintenance.mirror.Mirror` was importable (else the mirror side is
-    skipped, with a line in ``skipped``). ``exact``: every follower of every run bit-exact."""
+    skipped, with a line in ``skipped``). ``exact``: every follower of every run bit-exact.
+    Header fields (first in the JSON): :class:`~deltastore.bench.schema.RunHeader`,
+    :class:`~deltastore.bench.schema.AdamWHeader`."""
 
     mode: Literal["fleet"] = "fleet"
     schema_version: Literal[1] = 1

@@ -423,7 +423,8 @@ class WorkloadInfo(AdamWHeader):
 
 
 class BenchResult(RunHeader):
-    """The whole run (``deltastore bench --json``); its first fields are :class:`RunHeader`'s."""
+    """The whole run (``deltastore bench --json``). Header fields (first in the JSON):
+    :class:`RunHeader`."""
 
     schema_version: Literal[2] = 2
     workload: WorkloadInfo

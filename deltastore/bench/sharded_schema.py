@@ -95,15 +95,15 @@ class DensitySummary(_Model):
 
 
 class ShardedResult(RunHeader):
-    """The whole run (``deltastore bench --mode sharded --json``); its first fields are
-    :class:`~deltastore.bench.schema.RunHeader`'s.
+    """The whole run (``deltastore bench --mode sharded --json``).
 
     ``size``: the model's size name (``fsdp-2.5m``: the 2.5M-element model of the report this
     bench was written for, else a name of the bench's table); ``world`` writers, each a process
     of its own (spawn), dim-0 row shards as FSDP2 cuts them (``ceil(rows / world)`` rows per
     rank); ``options``: the writers' options; ``repeats``: versions per density and per way
     of measuring. ``exact``: a subscriber that followed the store holds, at the last version,
-    every rank's rows bit for bit."""
+    every rank's rows bit for bit. Header fields (first in the JSON):
+    :class:`~deltastore.bench.schema.RunHeader`."""
 
     mode: Literal["sharded"] = "sharded"
     schema_version: Literal[1] = 1

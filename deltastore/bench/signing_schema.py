@@ -113,9 +113,7 @@ class StoreSigning(_Model):
 
 
 class SigningResult(AdamWHeader, RunHeader):
-    """The whole run (``deltastore bench --mode signing --json``); its first fields are
-    :class:`~deltastore.bench.schema.RunHeader`'s and
-    :class:`~deltastore.bench.schema.AdamWHeader`'s.
+    """The whole run (``deltastore bench --mode signing --json``).
 
     The workload: ``size`` (``elements``, ``tensors``, ``dense_bytes`` of bf16), the bench's
     workload (:mod:`deltastore.bench.workload`: AdamW steps at ``lr`` from the stationary
@@ -124,7 +122,9 @@ class SigningResult(AdamWHeader, RunHeader):
     ``density`` of them) as the delta. ``repeats``: interleaved repeats of every comparison,
     the side that goes first alternating (one more untimed round before them warms up
     kernels and caches). ``key_id``: the Ed25519 key's id (made for the run).
-    ``exact``: every sync bit-exact."""
+    ``exact``: every sync bit-exact.
+    Header fields (first in the JSON): :class:`~deltastore.bench.schema.RunHeader`,
+    :class:`~deltastore.bench.schema.AdamWHeader`."""
 
     mode: Literal["signing"] = "signing"
     schema_version: Literal[1] = 1

@@ -111,8 +111,7 @@ class PublisherRun(_Model):
 
 
 class TrainerResult(RunHeader):
-    """The whole trainer-in-the-loop run (``deltastore bench --mode trainer --json``); its
-    first fields are :class:`~deltastore.bench.schema.RunHeader`'s.
+    """The whole trainer-in-the-loop run (``deltastore bench --mode trainer --json``).
 
     ``size``: the bench model size trained, ``size_reason`` why it and not a larger one (the
     trainer's fp32 state must fit beside the run); ``optimizer``: the AdamW implementation
@@ -123,7 +122,8 @@ class TrainerResult(RunHeader):
     glibc's per-thread arenas keep). ``payload_ratio``: median over versions of the
     snapshot-free payload / the memory publisher's on the same version; ``same_versions``:
     every publisher's run made the same versions (equal digests). ``rss_method``: how the
-    extra memory was measured."""
+    extra memory was measured. Header fields (first in the JSON):
+    :class:`~deltastore.bench.schema.RunHeader`."""
 
     mode: Literal["trainer"] = "trainer"
     schema_version: Literal[1] = 1
