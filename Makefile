@@ -100,3 +100,27 @@ test-trl: $(TRL_STAMP) $(VLLM_STAMP)
 	$(VENV_TRL)/bin/python -m pytest -q --durations=10 tests/integrations/test_trl.py
 
 test-integrations: test-trl
+
+# verl's checkpoint engine "deltastore" (tests/integrations/test_verl.py): verl pins
+# transformers<5.11 and needs ray, which conflict with $(VENV_VLLM): a venv of its own, no vLLM.
+.PHONY: test-verl
+VENV_VERL := .venv-verl
+VERL_STAMP := $(VENV_VERL)/.installed-stamp
+
+# First run only: torch, verl 0.9 and its dependencies (ray, transformers, ...); s3 and moto for
+# the S3 test. verl's checkpoint_engine imports uvicorn and fastapi, which its wheel does not
+# declare; botocore stays within what s3fs's aiobotocore accepts (moto would upgrade it).
+$(VERL_STAMP): pyproject.toml
+	@echo "==> creating $(VENV_VERL) for the verl integration test (first run only)..."
+	test -x $(VENV_VERL)/bin/python || $(PYTHON) -m venv $(VENV_VERL)
+	$(VENV_VERL)/bin/python -m pip install --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	$(VENV_VERL)/bin/python -m pip install --disable-pip-version-check -e '.[verl,s3]' pytest uvicorn fastapi
+	$(VENV_VERL)/bin/python -m pip install --disable-pip-version-check 'moto[server]>=5' \
+	  "botocore==$$($(VENV_VERL)/bin/python -c 'import botocore; print(botocore.__version__)')"
+	touch $(VERL_STAMP)
+	@echo "==> $(VENV_VERL) is ready"
+
+test-verl: $(VERL_STAMP)
+	$(VENV_VERL)/bin/python -m pytest -q --durations=10 tests/integrations/test_verl.py
+
+test-integrations: test-verl
