@@ -17,7 +17,7 @@ unsigned, ``max_workers=2``, ``threads=1``) on a thread of the bench process, po
 fixed schedule: every ``poll_interval_s``, follower ``i`` of ``N`` offset by ``i / N`` of an
 interval; at each tick ``latest()``, then ``sync()`` when it is behind. Its ``on_version``
 callback stamps when it reached each version. The publisher commits a version (the time its
-manifest's ``put_if_absent`` returned, seen by a wrapper around its store), waits until every
+manifest's ``put_if_absent`` began, seen by a wrapper around its store), waits until every
 follower has it (at most ``timeout_s``), then waits a varying share of an interval (the
 golden-ratio sequence) so that commits fall at different phases of the polls. After the last
 version an idle phase of ``idle_intervals`` polls counts what polling alone costs.
@@ -142,16 +142,19 @@ class _Meter(StoreWrapper):
 
 
 class _CommitClock(StoreWrapper):
-    """The publisher's store; ``commits[v]``: when the manifest of ``v`` was written."""
+    """The publisher's store; ``commits[v]``: when the create of ``v``'s manifest began (the
+    earliest a reader can see it: a read that starts while the create is in flight belongs
+    to the new version's window, and latencies count from here)."""
 
     def __init__(self, inner: Store) -> None:
         super().__init__(inner)
         self.commits: dict[int, float] = {}
 
     def _call(self, name: str, key: str, fn: Callable[[], Any]) -> Any:
+        start = time.monotonic()
         out = fn()
         if name == "put_if_absent" and key.startswith(MANIFEST_PREFIX):
-            self.commits[int(key[len(MANIFEST_PREFIX) :].split(".")[0])] = time.monotonic()
+            self.commits[int(key[len(MANIFEST_PREFIX) :].split(".")[0])] = start
         return out
 
 
