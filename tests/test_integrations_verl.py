@@ -21,11 +21,13 @@ import torch
 
 from deltastore.errors import (
     ChainError,
+    FrameError,
+    IntegrityError,
     ManifestNotFoundError,
     TensorMismatchError,
     WrongParentError,
 )
-from deltastore.format.keys import manifest_key
+from deltastore.format.keys import data_prefix, manifest_key
 from deltastore.integrations.verl import DeltastoreEngine, TrainerSide
 from deltastore.store import open_store
 
@@ -195,6 +197,33 @@ def wrong_base(factory: Factory, url: str, opts: dict[str, Any] | None) -> None:
     assert rollout.rollout.version == 1
 
 
+def damaged_version(factory: Factory, url: str, opts: dict[str, Any] | None) -> None:
+    """Flipped bytes in a version's data: IntegrityError (or FrameError), nothing yielded, the
+    rollout at the version it held, which it goes on from once the data is right again."""
+    policy = Policy(seed=12)
+    trainer = factory(url=url, storage_options=opts, is_master=True)
+    rollout = factory(url=url, storage_options=opts, timeout_s=5)
+    send(trainer, policy.weights(), 0)
+    assert receive(rollout, 0)[1] is None
+    policy.step()
+    send(trainer, policy.weights(), 1)
+    store = open_store(url, opts)
+    key = max(store.list(data_prefix(1)), key=lambda k: len(store.get(k)))
+    good = store.get(key)
+    bad = bytearray(good)
+    mid = len(bad) // 2
+    bad[mid : mid + 8] = bytes(b ^ 0xFF for b in bad[mid : mid + 8])
+    store.put(key, bytes(bad))
+    got, err = receive(rollout, 1)
+    assert isinstance(err, (IntegrityError, FrameError)), err
+    assert got == {}
+    assert rollout.rollout.version == 0
+    store.put(key, good)
+    got, err = receive(rollout, 1)
+    assert err is None
+    assert got
+
+
 # --- the scenarios on the verl-free engine ----------------------------------------------------
 
 
@@ -208,6 +237,10 @@ def test_skipped_version(tmp_path: Path) -> None:
 
 def test_wrong_base(tmp_path: Path) -> None:
     wrong_base(DeltastoreEngine, str(tmp_path / "store"), None)
+
+
+def test_damaged_version(tmp_path: Path) -> None:
+    damaged_version(DeltastoreEngine, str(tmp_path / "store"), None)
 
 
 def test_wait_times_out(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ pytest.importorskip("verl")
 
 from tests.test_integrations_verl import (
     Policy,
+    damaged_version,
     receive,
     round_trip,
     send,
@@ -87,6 +88,10 @@ def test_skipped_version(engine_cls: Any, store: tuple[str, dict[str, Any] | Non
 
 def test_wrong_base(engine_cls: Any, store: tuple[str, dict[str, Any] | None]) -> None:
     wrong_base(factory(engine_cls), *store)
+
+
+def test_damaged_version(engine_cls: Any, store: tuple[str, dict[str, Any] | None]) -> None:
+    damaged_version(factory(engine_cls), *store)
 
 
 def test_omegaconf_kwargs(engine_cls: Any, tmp_path: Path) -> None:
