@@ -246,8 +246,10 @@ class RolloutSide:
         :class:`~deltastore.errors.ChainError` when ``version`` is not a delta on the held
         version (a version was skipped or deleted, or is older than the held one);
         :class:`~deltastore.errors.WrongParentError` when it is a delta on another state of
-        the held version (another run wrote the store). Any failure leaves the tensors at the
-        held version, and returns nothing.
+        the held version (another run wrote the store). While syncing: the subscriber's
+        errors, e.g. :class:`~deltastore.errors.IntegrityError` or
+        :class:`~deltastore.errors.FrameError` for damaged data (verified before anything is
+        written). Any failure leaves the tensors at the held version, and returns nothing.
         """
         sub = self._open()
         held = self._held
