@@ -74,7 +74,7 @@ schema: $(STAMP)
 	$(BIN)/python -m deltastore.format.schema --write manifests/schema/manifest.v1.schema.json
 
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) .azurite .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VENV_VLLM) $(VENV_TRL) $(VENV_VERL) .azurite .pytest_cache .mypy_cache .ruff_cache .hypothesis
 
 # Trainer integrations (deltastore.integrations, docs/integrations.md): each
 # tests/integrations/test_<name>.py runs in a venv of its own (.venv-<name>, its framework
