@@ -236,7 +236,7 @@ class DeltastoreWeightTransfer:
                 raise TensorMismatchError(f"{name} is sent twice by the iterator")
             if (
                 t.dtype == torch.float32
-                and t.device.type == "cpu"
+                and t.device.type != "meta"
                 and (t.data_ptr(), tuple(t.shape)) in own
             ):
                 out[name] = t  # snapshot-free: the publisher reads the parameter itself
