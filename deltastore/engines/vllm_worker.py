@@ -36,7 +36,7 @@ from deltastore.sync.priority import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
     import torch
 
@@ -68,6 +68,17 @@ class _Gate:
                 "written (call deltastore_commit after deltastore_prepare)"
             )
         restore_current_thread(self.priority)  # generation is paused: write at full speed
+
+
+def _stored_dtypes(
+    url: str, version: int, storage_options: Mapping[str, Any] | None
+) -> dict[str, str]:
+    """The dtype (name) of every tensor of ``version``'s manifest in the store at ``url``."""
+    from deltastore.catalog.chain import ChainReader
+    from deltastore.store.registry import open_store
+
+    manifest = ChainReader(open_store(url, dict(storage_options or {}))).manifest(version)
+    return {n: e.dtype for n, e in manifest.tensors.items()}
 
 
 class Receiver:
@@ -138,6 +149,7 @@ class Receiver:
         self._consumers = find_consumers(model, synced, derived=el.derived, rebuild=rebuild)
         self._dtype = config.model_config.dtype
         shadowed: list[str] = []
+        stored: dict[str, str] | None = None  # HF tensor -> stored dtype, read when needed
         for name in el.layout.parts:
             p, mod = params[name], owner[name]
             mod_name, _, pname = name.rpartition(".")
@@ -149,7 +161,16 @@ class Receiver:
                 ):
                     tensors[name] = p.data  # embeddings keep their weight: in place, re-packed
                     continue
-                shadow = torch.empty(el.shapes[name], dtype=p.dtype, device=p.device)
+                if stored is None:
+                    stored = _stored_dtypes(url, version, storage_options)
+                # in the checkpoint's dtype: vLLM's post-load processing may have changed the
+                # parameter's (the CPU's small-GEMM path keeps a linear's bias in float32),
+                # and it runs again on what a refresh gives it
+                kinds = {stored[s] for s in el.sources.get(name, ()) if s in stored}
+                from deltastore.tensors.dtypes import dtype_from_name
+
+                held = dtype_from_name(kinds.pop()) if len(kinds) == 1 else p.dtype
+                shadow = torch.empty(el.shapes[name], dtype=held, device=p.device)
                 self._shadows.setdefault(mod_name, {})[pname] = shadow
                 tensors[name] = shadow
                 shadowed.append(name)

@@ -147,7 +147,7 @@ def server_of(tmp_path: Path) -> Iterator[Any]:
         srv.stop()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "llama+tied"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama+tied"])
 def test_async_grpo_syncs_reach_vllm_serve_through_deltastore(
     arch: str, tmp_path: Path, server_of: Any
 ) -> None:

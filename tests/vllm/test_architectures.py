@@ -34,6 +34,7 @@ TP1 = [
     "llama+tied",
     "qwen3+tied",
     "qwen3",
+    "qwen2",
 ]
 #: One dense tied model and one MoE (with a shared expert) at TP 2.
 TP2 = ["llama+tied", "qwen2_moe"]
