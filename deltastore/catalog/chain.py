@@ -178,7 +178,7 @@ class ChainReader:
             raise ManifestNotFoundError(
                 f"version {version} has no anchor copy in store {self.store.url}"
             ) from None
-        return self._keep_copy(version, self._parse_copy(version, data))
+        return self._keep_copy(version, self.check_copy(version, data))
 
     def _keep_copy(self, version: int, m: Manifest) -> Manifest:
         self._copies[version] = m
@@ -186,7 +186,10 @@ class ChainReader:
             self._copies.pop(next(iter(self._copies)))
         return m
 
-    def _parse_copy(self, version: int, data: bytes) -> Manifest:
+    def check_copy(self, version: int, data: bytes) -> Manifest:
+        """The anchor copy of ``version`` from its bytes: parsed, validated, signed as
+        required, naming ``version`` and of kind ``anchor`` (:class:`ManifestError` /
+        :class:`SignatureError` otherwise). Not cached."""
         key = anchor_key(version)
         m = parse_manifest(data, key=key)
         verify_manifest(m, self._keys, version=version, name=key)
@@ -230,10 +233,12 @@ class ChainReader:
     def discover(self, held: int | None) -> tuple[int | None, set[int]]:
         """For a sync to the newest version: :meth:`latest` and the versions above ``held``
         (None: all) that have an anchor copy, listed in parallel (one round trip)."""
-        newest, copies = concurrently([self.latest, partial(self._copies_above, held)])
+        newest, copies = concurrently([self.latest, partial(self.copies_after, held)])
         return cast("int | None", newest), cast("set[int]", copies)
 
-    def _copies_above(self, held: int | None) -> set[int]:
+    def copies_after(self, held: int | None) -> set[int]:
+        """The versions above ``held`` (all when None) that have an anchor copy (one
+        listing)."""
         if held is None:
             return set(self.anchor_versions())
         keys = self.store.list_after(ANCHOR_PREFIX, anchor_key(held))
@@ -265,7 +270,7 @@ class ChainReader:
             )
             return None
         try:
-            self._remember(hint.version, body)
+            self.take_manifest(hint.version, body)
         except DeltastoreError as exc:
             log.warning("LATEST names a damaged manifest (%s); ignored", exc)
             return None
@@ -288,7 +293,7 @@ class ChainReader:
             raise ManifestNotFoundError(
                 f"version {version} is not committed in store {self.store.url}"
             ) from None
-        return self._remember(version, data)
+        return self.take_manifest(version, data)
 
     def forget(self, version: int | None) -> None:
         """Drop the cached manifest of ``version`` (it is not the store's any more: a
@@ -300,8 +305,10 @@ class ChainReader:
             self._cache.pop(version, None)
             self._copies.pop(version, None)
 
-    def _remember(self, version: int, data: bytes) -> Manifest:
-        """Check the manifest bytes of ``version`` and keep the result in the cache."""
+    def take_manifest(self, version: int, data: bytes) -> Manifest:
+        """Check the manifest bytes of ``version`` (parse, validate, signature, the version it
+        names: as :meth:`manifest` does with what it reads) and keep the result in the cache;
+        for bytes read elsewhere (a mirror copies them as they are)."""
         m = self._parse(version, data)
         if m.version != version:
             raise _claims(version, m)
@@ -348,7 +355,7 @@ class ChainReader:
         for v in self.anchor_versions():
             key = anchor_key(v)
             try:
-                copies[v] = self._parse_copy(v, self.store.get(key))
+                copies[v] = self.check_copy(v, self.store.get(key))
             except ObjectNotFoundError as exc:
                 on_damaged(Damaged(v, key, "listed, but gone when read", exc))
             except (ManifestError, SignatureError) as exc:
@@ -505,7 +512,7 @@ class ChainReader:
         extra: Callable[[], object] | None = None
         copy: int | None = None
         if many and copies is None:
-            extra = partial(self._copies_above, None if held is None else held.version)
+            extra = partial(self.copies_after, None if held is None else held.version)
         elif many and copies:
             copy = max((c for c in copies if low < c <= target), default=None)
             if copy is not None and copy not in self._copies:
@@ -515,7 +522,7 @@ class ChainReader:
             return got if isinstance(got, set) else None
         if copy is not None and isinstance(got, bytes):
             with contextlib.suppress(DeltastoreError):
-                self._keep_copy(copy, self._parse_copy(copy, got))
+                self._keep_copy(copy, self.check_copy(copy, got))
         return copies
 
     def _read_manifests(
@@ -537,7 +544,7 @@ class ChainReader:
         for v, data in zip(reversed(want), reversed(got[: len(want)]), strict=True):
             if isinstance(data, bytes):  # oldest first: the newest stay longest in the cache
                 with contextlib.suppress(DeltastoreError):
-                    self._remember(v, data)
+                    self.take_manifest(v, data)
         return got[-1] if extra is not None else None
 
     def _read_quietly(self, key: str) -> bytes | None:

@@ -69,16 +69,13 @@ from deltastore.format.keys import (
     anchor_key,
     data_prefix,
     manifest_key,
-    version_of_anchor_key,
 )
-from deltastore.format.manifest import Frame, Manifest, parse_latest, parse_manifest
+from deltastore.format.manifest import Frame, Manifest, parse_latest
 from deltastore.format.signing import (
     FROM_ENV,
     KeyOption,
     TrustOption,
-    Verifier,
     resolve_trust,
-    verify_manifest,
 )
 from deltastore.publish.commit import conditional_writes, replicate_version
 from deltastore.store import Store, open_store
@@ -167,8 +164,7 @@ class Mirror:
             raise ValueError("give since or anchor_first, not both")
         self.source = open_store(source, storage_options)
         self.dest = open_store(dest, dest_storage_options)
-        self._keys: tuple[Verifier, ...] = resolve_trust(trusted_keys, signing_key)
-        self._src = ChainReader(self.source, keys=self._keys)
+        self._src = ChainReader(self.source, keys=resolve_trust(trusted_keys, signing_key))
         self._dst = ChainReader(self.dest)
         self._since, self._anchor_first = since, anchor_first
         self._lease = LeaseKeeper(self.source, reader_id, lease_ttl)
@@ -194,7 +190,7 @@ class Mirror:
                 self._settle_latest(head)
                 self._settled = True
         listed = self._src.versions_after(head)  # an idle poll: this one request
-        copies = self._copies_after(head) if listed else set()
+        copies = self._src.copies_after(head) if listed else set()
         for item in self._plan(head, listed, copies, tally):
             self._lease.hold(item.version)
             try:
@@ -212,15 +208,6 @@ class Mirror:
             tuple(tally.copied), head, tally.objects, tally.skipped, tally.nbytes,
             tuple(tally.jumped), time.perf_counter() - t0,
         )  # fmt: skip
-
-    def _copies_after(self, head: int | None) -> set[int]:
-        """The source versions after ``head`` (all when None) that have an anchor copy."""
-        keys = (
-            self.source.list(ANCHOR_PREFIX)
-            if head is None
-            else self.source.list_after(ANCHOR_PREFIX, anchor_key(head))
-        )
-        return {v for k in keys if (v := version_of_anchor_key(k)) is not None}
 
     def _plan(
         self, head: int | None, listed: list[int], copies: set[int], tally: _Tally
@@ -330,12 +317,12 @@ class Mirror:
         """Source version ``version``: manifest and (``has_copy``) anchor copy, exact bytes,
         each parsed, validated, signature-checked and naming ``version``."""
         body = self._get(manifest_key(version))
-        m = self._check(manifest_key(version), body, version)
+        m = self._src.take_manifest(version, body)
         copy = copy_body = None
         if has_copy:
             try:
                 copy_body = self._get(anchor_key(version))
-                copy = self._check(anchor_key(version), copy_body, version, anchor=True)
+                copy = self._src.check_copy(version, copy_body)
             except ObjectNotFoundError:
                 copy_body = None  # deleted by the source's retention meanwhile
             except DeltastoreError as exc:  # a damaged copy is not mirrored (readers skip it)
@@ -359,15 +346,6 @@ class Mirror:
             ) from None
         self._read_cache[key] = data
         return data
-
-    def _check(self, key: str, body: bytes, version: int, *, anchor: bool = False) -> Manifest:
-        m = parse_manifest(body, key=key)
-        verify_manifest(m, self._keys, version=version, name=key)
-        if m.version != version:
-            raise ManifestError(f"{key} claims version {m.version}; the source is damaged")
-        if anchor and m.kind != "anchor":
-            raise ManifestError(f"{key} is a {m.kind}, not an anchor; the source is damaged")
-        return m
 
     # --- copying one version ----------------------------------------------------------
 
