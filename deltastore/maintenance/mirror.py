@@ -79,7 +79,7 @@ from deltastore.format.signing import (
 )
 from deltastore.publish.commit import conditional_writes, replicate_version
 from deltastore.store import Store, open_store
-from deltastore.sync.fetch import check_xxh3
+from deltastore.sync.fetch import check_stored
 from deltastore.sync.lease import DEFAULT_LEASE_TTL_S, LeaseKeeper
 from deltastore.sync.poll import PollSchedule
 
@@ -396,7 +396,7 @@ class Mirror:
         kept when every frame checks out; otherwise it is copied from the source."""
         if present:
             try:
-                _check_frames(key, self.dest.get(key), frames)
+                _check_frames(self.dest.get(key), frames)
             except (DeltastoreError, ValueError) as exc:
                 log.warning("%s at the destination is damaged (%s); copied again", key, exc)
             else:
@@ -414,7 +414,7 @@ class Mirror:
                 f"{key}, a data object of a committed version, is missing from store "
                 f"{self.source.url}"
             ) from None
-        _check_frames(key, data, frames)
+        _check_frames(data, frames)
         self.dest.put(key, data)
         tally.add(len(data))
 
@@ -462,17 +462,12 @@ class Mirror:
         self.close()
 
 
-def _check_frames(key: str, data: bytes, frames: Sequence[Frame]) -> None:
-    """Raise unless each of ``frames`` is whole in ``data`` (object ``key``) with its XXH3-64
+def _check_frames(data: bytes, frames: Sequence[Frame]) -> None:
+    """Raise unless each of ``frames`` is whole in ``data`` (their object) with its XXH3-64
     and, when recorded, its BLAKE3."""
     view = memoryview(data)
     for f in frames:
-        if f.offset + f.length > len(data):
-            raise FrameError(
-                f"{key}: frame at offset {f.offset} is truncated "
-                f"({max(0, len(data) - f.offset)} of {f.length} bytes)"
-            )
-        check_xxh3(f, view[f.offset : f.offset + f.length])  # and its BLAKE3
+        check_stored(f, view[f.offset : f.offset + f.length])
 
 
 def mirror(

@@ -172,13 +172,7 @@ class Fetcher:
             timer.add(fetch=time.perf_counter() - t0)
         else:
             data = span[1][f.offset - span[0] : f.offset - span[0] + f.length]
-        if len(data) != f.length:
-            raise FrameError(
-                f"{f.object}: frame at offset {f.offset} is truncated "
-                f"({len(data)} of {f.length} bytes)"
-            )
-        if check:
-            check_xxh3(f, data)
+        check_stored(f, data, digests=check)
         timer.add(nbytes=len(data))
         return data
 
@@ -337,6 +331,17 @@ class Fetcher:
         if sum(f.result() for f in submitted) != len(tasks):  # pragma: no cover - raised above
             raise Cancelled("not every frame was worked on")
         return results
+
+
+def check_stored(f: Frame, data: bytes | memoryview, *, digests: bool = True) -> None:
+    """Raise :class:`FrameError` unless ``data`` (the stored frame's bytes as read) is
+    ``f.length`` bytes long, then (``digests``) as :func:`check_xxh3`."""
+    if len(data) != f.length:
+        raise FrameError(
+            f"{f.object}: frame at offset {f.offset} is truncated ({len(data)} of {f.length} bytes)"
+        )
+    if digests:
+        check_xxh3(f, data)
 
 
 def check_xxh3(f: Frame, data: bytes | memoryview) -> None:
